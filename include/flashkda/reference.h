@@ -1,0 +1,44 @@
+// FlashKDA CPU reference: the obvious code of ../shared/kda_spec.md, accumulating in double.
+//
+// Two layers:
+//  * per-(sequence, head) cores on already preprocessed double inputs: the token recurrence of spec
+//    section 2 and the chunked form of section 3.  Tests check that they agree to ~1e-10, which
+//    validates the algebra the GPU kernels use.
+//  * prefill_reference(params): the whole op on CPU tensors (preprocessing, varlen, state pool,
+//    bf16/fp32 state, bf16 output), used by the CPU dispatch of the ops and by flashkda::run.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "flashkda/flashkda.h"
+
+namespace flashkda {
+namespace reference {
+
+// One (sequence, head).  Row-major, token-major inputs:
+//   q, k, a (log decay, <= 0): [T, K];  v: [T, V];  b (activated beta): [T];
+//   S: [V, K] in/out (V-first state);  o: [T, V] out.
+void kda_recurrent(const double* q, const double* k, const double* v, const double* a, const double* b,
+                   int64_t T, int64_t K, int64_t V, double scale, double* S, double* o);
+
+// The same function computed chunk by chunk (spec section 3) with chunk size C >= 1, with the
+// triangular inverse by forward substitution.  Equal to kda_recurrent up to rounding.
+void kda_chunked(const double* q, const double* k, const double* v, const double* a, const double* b,
+                 int64_t T, int64_t K, int64_t V, double scale, int64_t C, double* S, double* o);
+
+// Preprocessing of spec section 2, per token and head (double math).
+void l2_normalize(double* x, int64_t n);  // x <- x / sqrt(sum x^2 + 1e-6)
+double gate_log_decay(GateMode mode, double g, double A_log_h, double dt_bias_hk, double lower_bound);
+double beta_activation(bool use_sigmoid, double beta);
+
+// The whole prefill on CPU tensors.  Validates with can_implement() first (and so writes nothing
+// on error).  `chunk_size` 0 uses the recurrence; > 0 the chunked core (for tests).
+Status prefill_reference(const PrefillParams& p, int64_t chunk_size = 0);
+
+// bf16 helpers (round to nearest even; NaN stays NaN).
+uint16_t float_to_bf16(float f);
+float bf16_to_float(uint16_t h);
+
+}  // namespace reference
+}  // namespace flashkda
