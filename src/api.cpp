@@ -9,12 +9,12 @@
 namespace flashkda {
 
 size_t workspace_size(int64_t total_tokens, int64_t num_heads, int64_t num_seqs, int64_t head_dim) {
-  (void)total_tokens;
-  (void)num_heads;
-  (void)num_seqs;
-  (void)head_dim;
-  // Header only for now: the device error word (and room to grow without an API change).
-  return detail::kWorkspaceHeaderBytes;
+  // Header (device error word) + one chunk record per (chunk slot, head).  The slot count bound
+  // total/C + N + 1 covers both varlen (see sm90::num_chunk_slots) and fixed-length batches.
+  if (total_tokens < 0 || num_heads < 0 || num_seqs < 0) return detail::kWorkspaceHeaderBytes;
+  const int64_t slots = total_tokens / detail::kChunkTokens + num_seqs + 1;
+  return detail::kWorkspaceHeaderBytes +
+         static_cast<size_t>(slots) * static_cast<size_t>(num_heads) * detail::chunk_record_bytes(head_dim);
 }
 
 size_t workspace_size(const PrefillParams& p) {

@@ -1,12 +1,146 @@
-// Placeholder while the sm90 kernels are written.
+// CUDA side of the public API: device capability checks, the device error word, and turning
+// validated PrefillParams into the kernels' argument block.
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <string>
+
 #include "flashkda/flashkda.h"
 #include "runtime/cuda_dispatch.h"
-#include <cuda_runtime.h>
+#include "sm90/kda_prefill_sm90.cuh"
+
 namespace flashkda {
-Status cuda_device_supported(int) { return Status::unsupported_device("flashkda: sm90 kernels not built yet"); }
-Status read_device_error(const void*, Stream, DeviceError* err) { if (err) *err = DeviceError::kNone; return Status::ok_status(); }
-Status clear_device_error(void*, Stream) { return Status::ok_status(); }
+
+static_assert(sm90::ChunkRecord<128>::kBytes == detail::chunk_record_bytes(128), "record size drifted");
+static_assert(sm90::ChunkRecord<64>::kBytes == detail::chunk_record_bytes(64), "record size drifted");
+static_assert(sm90::kChunk == detail::kChunkTokens, "chunk size drifted");
+
+namespace {
+
+constexpr int kMaxDevices = 64;
+// Per device: 0 unknown, 1 supported, 2 unsupported; SM count cached beside it.  Queried once so
+// that run() does no device-property work on the hot path.
+std::atomic<int> g_support[kMaxDevices];
+std::atomic<int> g_num_sms[kMaxDevices];
+std::atomic<int> g_cc[kMaxDevices];
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+int vec_ok(const TensorRef& t, int elems_per_16b) {
+  if (!aligned16(t.data)) return 0;
+  for (int d = 0; d + 2 < t.ndim; ++d) {
+    if (t.strides[d] % elems_per_16b != 0) return 0;
+  }
+  return 1;
+}
+
+}  // namespace
+
+Status cuda_device_supported(int device_index) {
+  if (device_index < 0 || device_index >= kMaxDevices) {
+    return Status::unsupported_device("flashkda: device index " + std::to_string(device_index) + " out of range");
+  }
+  int state = g_support[device_index].load(std::memory_order_acquire);
+  if (state == 0) {
+    int major = 0, minor = 0, sms = 0;
+    cudaError_t e1 = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_index);
+    cudaError_t e2 = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device_index);
+    cudaError_t e3 = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_index);
+    if (e1 != cudaSuccess || e2 != cudaSuccess || e3 != cudaSuccess) {
+      cudaGetLastError();
+      return Status::unsupported_device("flashkda: cannot query CUDA device " + std::to_string(device_index));
+    }
+    g_cc[device_index].store(major * 10 + minor);
+    g_num_sms[device_index].store(sms);
+    state = (major == 9 && minor == 0) ? 1 : 2;
+    g_support[device_index].store(state, std::memory_order_release);
+  }
+  if (state != 1) {
+    const int cc = g_cc[device_index].load();
+    return Status::unsupported_device("flashkda: argument 'q': expected a CUDA device of compute capability 9.0 "
+                                      "(Hopper, the sm_90a kernels), got device " +
+                                      std::to_string(device_index) + " of compute capability " +
+                                      std::to_string(cc / 10) + "." + std::to_string(cc % 10));
+  }
+  return Status::ok_status();
+}
+
+Status read_device_error(const void* workspace, Stream stream, DeviceError* err) {
+  int32_t word = 0;
+  cudaError_t e = cudaMemcpyAsync(&word, workspace, sizeof(word), cudaMemcpyDeviceToHost, stream);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+  if (e != cudaSuccess) return sm90::cuda_status(e, "read_device_error");
+  if (err) *err = static_cast<DeviceError>(word);
+  return Status::ok_status();
+}
+
+Status clear_device_error(void* workspace, Stream stream) {
+  return sm90::cuda_status(cudaMemsetAsync(workspace, 0, sizeof(int32_t), stream), "clear_device_error");
+}
+
 namespace detail {
-Status run_prefill_cuda(const PrefillParams&, const ProblemShape&, void*, Stream) { return Status::not_implemented("flashkda: sm90 kernels not built yet"); }
+
+Status run_prefill_cuda(const PrefillParams& p, const ProblemShape& shape, void* workspace, Stream stream) {
+  if (!aligned16(workspace)) {
+    return Status::invalid("flashkda: argument 'workspace': expected a 16-byte aligned pointer, got an unaligned one");
+  }
+  Status st = cuda_device_supported(p.q.device_index);
+  if (!st.ok()) return st;
+  sm90::PrefillArgs a{};
+  a.q = static_cast<const sm90::bf16*>(p.q.data);
+  a.k = static_cast<const sm90::bf16*>(p.k.data);
+  a.v = static_cast<const sm90::bf16*>(p.v.data);
+  a.g = p.g.data;
+  a.beta = p.beta.data;
+  a.out = static_cast<sm90::bf16*>(p.out.data);
+  a.q_sb = p.q.strides[0], a.q_st = p.q.strides[1];
+  a.k_sb = p.k.strides[0], a.k_st = p.k.strides[1];
+  a.v_sb = p.v.strides[0], a.v_st = p.v.strides[1];
+  a.g_sb = p.g.strides[0], a.g_st = p.g.strides[1];
+  a.beta_sb = p.beta.strides[0], a.beta_st = p.beta.strides[1];
+  a.out_sb = p.out.strides[0], a.out_st = p.out.strides[1];
+  a.g_fp32 = p.g.dtype == DType::kFloat32;
+  a.beta_fp32 = p.beta.dtype == DType::kFloat32;
+  a.vec_q = vec_ok(p.q, 8);
+  a.vec_k = vec_ok(p.k, 8);
+  a.vec_v = vec_ok(p.v, 8);
+  a.vec_g = vec_ok(p.g, a.g_fp32 ? 4 : 8);
+  a.vec_out = vec_ok(p.out, 8);
+  const bool gated = p.gate_mode != GateMode::kPrecomputed;
+  a.A_log = gated ? static_cast<const float*>(p.A_log.data) : nullptr;
+  a.dt_bias = gated ? static_cast<const float*>(p.dt_bias.data) : nullptr;
+  a.h0 = p.initial_state.defined() ? p.initial_state.data : nullptr;
+  a.ht = p.final_state.defined() ? p.final_state.data : nullptr;
+  const TensorRef& st_ref = p.initial_state.defined() ? p.initial_state : p.final_state;
+  a.state_fp32 = st_ref.defined() ? (st_ref.dtype == DType::kFloat32) : 1;
+  a.pool_rows = st_ref.defined() ? st_ref.sizes[0] : 0;
+  a.cu_seqlens = p.cu_seqlens.defined() ? p.cu_seqlens.data : nullptr;
+  a.cu_int64 = p.cu_seqlens.defined() && p.cu_seqlens.dtype == DType::kInt64;
+  a.state_indices = p.state_indices.defined() ? p.state_indices.data : nullptr;
+  a.idx_int64 = p.state_indices.defined() && p.state_indices.dtype == DType::kInt64;
+  a.has_initial_state = p.has_initial_state.defined() ? static_cast<const bool*>(p.has_initial_state.data) : nullptr;
+  a.B = static_cast<int>(shape.B);
+  a.T = static_cast<int>(shape.T);
+  a.H = static_cast<int>(shape.H);
+  a.N = static_cast<int>(shape.N);
+  a.gate_mode = static_cast<int>(p.gate_mode);
+  a.l2norm = p.use_qk_l2norm;
+  a.beta_sigmoid = p.use_beta_sigmoid;
+  a.scale = p.scale > 0.f ? p.scale : 1.0f / std::sqrt(static_cast<float>(shape.K));
+  a.lower_bound = p.lower_bound;
+  a.error_word = static_cast<int*>(workspace);
+  a.records = static_cast<char*>(workspace) + kWorkspaceHeaderBytes;
+  a.num_slots = sm90::num_chunk_slots(shape.varlen, shape.B, shape.T, shape.N);
+
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  cudaError_t e = cudaMemsetAsync(workspace, 0, sizeof(int32_t), s);
+  if (e != cudaSuccess) return sm90::cuda_status(e, "clearing the workspace error word");
+  const int sms = g_num_sms[p.q.device_index].load();
+  if (shape.K == 128) return sm90::launch_prefill_d128(a, sms, s);
+  return sm90::launch_prefill_d64(a, sms, s);
 }
-}
+
+}  // namespace detail
+}  // namespace flashkda

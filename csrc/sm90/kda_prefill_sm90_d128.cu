@@ -1,1 +1,10 @@
-// placeholder
+// Instantiation of the sm90 prefill for K = V = 128 (the production head dim).
+#include "sm90/kda_prefill_sm90.cuh"
+
+namespace flashkda {
+namespace sm90 {
+Status launch_prefill_d128(const PrefillArgs& a, int num_sms, cudaStream_t stream) {
+  return launch_prefill<128>(a, num_sms, stream);
+}
+}  // namespace sm90
+}  // namespace flashkda

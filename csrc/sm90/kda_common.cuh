@@ -1,0 +1,250 @@
+// Shared device code of the sm90 KDA prefill: the kernel argument block, the chunk-slot geometry
+// used by both kernels, tensor-core (mma.sync m16n8k16 bf16) and ldmatrix wrappers, and the
+// per-token preprocessing math (gate, beta).  Nothing here allocates or synchronises the host.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace flashkda {
+namespace sm90 {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kChunk = 64;     // tokens per chunk
+constexpr int kSub = 16;       // sub-chunk (one mma row tile) inside a chunk
+constexpr float kLog2e = 1.4426950408889634f;
+// Diagonal 16x16 blocks of kt @ kb^T are factorised around the block's row 7: each factor is
+// 2^(G_i - G_ref) or 2^(G_ref - G_j) (log2 units), at most 2^(half-span).  When every half-span of
+// a chunk is <= 100 (2^100 ~ 1.3e30, under bf16's 3.4e38 even times a key entry) the tensor-core
+// path is used; otherwise (only unbounded gates can get there: the bounded gate, |a| <= 5 nat a
+// token, spans at most 8 * 5 * log2(e) ~ 58) those blocks are summed pairwise with 2^(G_i - G_j) <= 1.
+constexpr float kMaxHalfSpanLog2 = 100.0f;
+
+enum : int { kGateBounded = 0, kGateSoftplus = 1, kGatePrecomputed = 2 };
+
+// Everything both kernels need, by value (a __grid_constant__-friendly POD).
+struct PrefillArgs {
+  const bf16* q;
+  const bf16* k;
+  const bf16* v;
+  const void* g;
+  const void* beta;
+  bf16* out;
+  // Strides in elements: batch row (sb) and token (st).  Heads are contiguous inside a token.
+  int64_t q_sb, q_st, k_sb, k_st, v_sb, v_st, g_sb, g_st, beta_sb, beta_st, out_sb, out_st;
+  int g_fp32, beta_fp32;
+  const float* A_log;    // [H]
+  const float* dt_bias;  // [H * K]
+  const void* h0;        // [N or P, H, V, K] or null
+  void* ht;              // [N or P, H, V, K] or null
+  int state_fp32;
+  const void* cu_seqlens;  // [N + 1] or null
+  int cu_int64;
+  const void* state_indices;  // [N] or null
+  int idx_int64;
+  int64_t pool_rows;              // first dim of the state tensors
+  const bool* has_initial_state;  // [N] or null
+  int B, T, H, N;                 // T: tokens per batch row (all tokens when varlen, B == 1)
+  int gate_mode, l2norm, beta_sigmoid;
+  float scale, lower_bound;
+  int vec_q, vec_k, vec_v, vec_g, vec_out;  // 16-byte aligned rows: vector loads/stores allowed
+  char* records;  // workspace: one ChunkRecord per (slot, head)
+  int* error_word;
+  int64_t num_slots;  // chunk slots per head
+};
+
+// ---------------------------------------------------------------------------------------------
+// Chunk slots.  Sequence n owns slots [slot_base(n), slot_base(n) + ceil(len_n / C)).  With
+// varlen, slot_base(n) = floor(cu[n] / C) + n: strictly increasing in n, disjoint ranges, and
+// bounded by floor(T / C) + N + 1 slots in all, all of it known to the host without reading
+// cu_seqlens (so grids are sized on the host, no sync).
+// ---------------------------------------------------------------------------------------------
+__host__ __device__ inline int64_t num_chunk_slots(bool varlen, int64_t B, int64_t T, int64_t N) {
+  return varlen ? (T / kChunk + N + 1) : B * ((T + kChunk - 1) / kChunk);
+}
+
+__device__ inline int64_t load_index(const void* p, int is64, int64_t i) {
+  return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
+}
+
+struct SeqSpan {
+  int64_t batch;  // batch row of the tokens
+  int64_t bos;    // first token (row-local)
+  int64_t len;    // tokens
+  int64_t slot0;  // first chunk slot
+};
+
+// Sequence n's span, clamped into [0, T] so that even bad cu_seqlens never index out of bounds
+// (the kernels refuse to write when the prepare pass flagged them; see validate_device_inputs).
+__device__ inline SeqSpan sequence_span(const PrefillArgs& a, int64_t n) {
+  SeqSpan s;
+  if (a.cu_seqlens) {
+    int64_t b0 = load_index(a.cu_seqlens, a.cu_int64, n);
+    int64_t e0 = load_index(a.cu_seqlens, a.cu_int64, n + 1);
+    b0 = b0 < 0 ? 0 : (b0 > a.T ? a.T : b0);
+    e0 = e0 < b0 ? b0 : (e0 > a.T ? a.T : e0);
+    s.batch = 0;
+    s.bos = b0;
+    s.len = e0 - b0;
+    s.slot0 = b0 / kChunk + n;
+  } else {
+    s.batch = n;
+    s.bos = 0;
+    s.len = a.T;
+    s.slot0 = n * ((a.T + kChunk - 1) / kChunk);
+  }
+  return s;
+}
+
+// The sequence and chunk of a slot; returns false for an unused slot.
+__device__ inline bool slot_to_chunk(const PrefillArgs& a, int64_t slot, int64_t* n_out, int64_t* c_out) {
+  int64_t n;
+  if (a.cu_seqlens) {
+    // Largest n in [0, N) with slot_base(n) <= slot (slot_base is increasing for valid input).
+    int64_t lo = 0, hi = a.N - 1;
+    if (a.N <= 0) return false;
+    while (lo < hi) {
+      int64_t mid = (lo + hi + 1) / 2;
+      int64_t cu = load_index(a.cu_seqlens, a.cu_int64, mid);
+      cu = cu < 0 ? 0 : (cu > a.T ? a.T : cu);
+      if (cu / kChunk + mid <= slot) lo = mid; else hi = mid - 1;
+    }
+    n = lo;
+  } else {
+    const int64_t per = (a.T + kChunk - 1) / kChunk;
+    if (per == 0) return false;
+    n = slot / per;
+    if (n >= a.B) return false;
+  }
+  const SeqSpan s = sequence_span(a, n);
+  const int64_t c = slot - s.slot0;
+  if (c < 0 || c * kChunk >= s.len) return false;
+  *n_out = n;
+  *c_out = c;
+  return true;
+}
+
+// State row of sequence n in the state tensors (pool addressing); negative = padding.
+__device__ inline int64_t state_row(const PrefillArgs& a, int64_t n) {
+  if (!a.state_indices) return n;
+  const int64_t r = load_index(a.state_indices, a.idx_int64, n);
+  return (r >= a.pool_rows) ? -1 : r;  // out of range was flagged already; never dereference it
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-chunk record in the workspace, written by chunk_prepare, read by state_recurrence.
+// All bf16 matrices are row-major and dense (the kernels pad them in shared memory).
+//   W   [C][K]  = T_inv diag(b) (k * exp(G))
+//   QT  [C][K]  = scale * q * exp(G)
+//   KD  [C][K]  = k * exp(G_last - G)
+//   UT  [V][C]  = (T_inv diag(b) v)^T
+//   MQK [C][C]  = lower_incl(qt @ kb^T) (scale included)
+//   GAMMA [K] fp32 = exp(G_last)
+// ---------------------------------------------------------------------------------------------
+template <int D>
+struct ChunkRecord {
+  static constexpr int kW = 0;
+  static constexpr int kQT = kW + kChunk * D * 2;
+  static constexpr int kKD = kQT + kChunk * D * 2;
+  static constexpr int kUT = kKD + kChunk * D * 2;
+  static constexpr int kMQK = kUT + D * kChunk * 2;
+  static constexpr int kGamma = kMQK + kChunk * kChunk * 2;
+  static constexpr int kBytes = kGamma + D * 4;
+  static_assert(kBytes % 128 == 0, "records must keep 128-byte alignment");
+};
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core and shared-memory primitives.
+// ---------------------------------------------------------------------------------------------
+__device__ inline uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ inline uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// D = A(16x16, row) * B(16x8, col) + D, bf16 inputs, fp32 accumulators.
+__device__ inline void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ inline void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ inline void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// A fragment (16x16) of a row-major bf16 matrix in smem at (row0, col0), leading dim ld (elements).
+__device__ inline void load_a_frag(uint32_t (&a)[4], const bf16* base, int ld, int row0, int col0, int lane) {
+  const int r = row0 + (lane & 7) + ((lane >> 3) & 1) * 8;
+  const int c = col0 + (lane >> 4) * 8;
+  ldmatrix_x4(a, smem_addr(base + r * ld + c));
+}
+
+// A fragment (16x16) of A = X^T where X is row-major [k][m] in smem: A(m, k) = X(k, m).
+__device__ inline void load_a_frag_trans(uint32_t (&a)[4], const bf16* x, int ld, int m0, int k0, int lane) {
+  const int mi = lane >> 3;
+  const int kr = k0 + (lane & 7) + (mi >> 1) * 8;
+  const int mc = m0 + (mi & 1) * 8;
+  ldmatrix_x4_trans(a, smem_addr(x + kr * ld + mc));
+}
+
+// B fragments for two n-tiles (n0..n0+15) and k0..k0+15 where B(k, n) = X(n, k), X row-major [n][k]
+// (the "col" operand layout).  b[0], b[1]: n-tile n0; b[2], b[3]: n-tile n0 + 8.
+__device__ inline void load_b_frag_nk(uint32_t (&b)[4], const bf16* x, int ld, int n0, int k0, int lane) {
+  const int n = n0 + (lane & 7) + (lane >> 4) * 8;
+  const int kc = k0 + ((lane >> 3) & 1) * 8;
+  ldmatrix_x4(b, smem_addr(x + n * ld + kc));
+}
+
+// Same fragments where B is stored row-major [k][n] (n contiguous).
+__device__ inline void load_b_frag_kn(uint32_t (&b)[4], const bf16* x, int ld, int n0, int k0, int lane) {
+  const int kr = k0 + (lane & 7) + ((lane >> 3) & 1) * 8;
+  const int nc = n0 + (lane >> 4) * 8;
+  ldmatrix_x4_trans(b, smem_addr(x + kr * ld + nc));
+}
+
+__device__ inline void cp_async_16(void* smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(smem)), "l"(gmem));
+}
+__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ inline void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ inline float fast_exp2(float x) { return exp2f(x); }
+
+// ---------------------------------------------------------------------------------------------
+// Preprocessing math (spec section 2).  Gate results are in natural-log units.
+// ---------------------------------------------------------------------------------------------
+__device__ inline float sigmoidf_(float x) { return 1.0f / (1.0f + __expf(-x)); }
+__device__ inline float softplusf_(float x) { return x > 20.0f ? x : log1pf(__expf(x)); }
+
+__device__ inline float gate_log_decay(int mode, float g, float A_log_h, float dt_bias_hk, float lower_bound) {
+  if (mode == kGatePrecomputed) return g;
+  const float x = g + dt_bias_hk;
+  if (mode == kGateBounded) return lower_bound * sigmoidf_(__expf(A_log_h) * x);
+  return -__expf(A_log_h) * softplusf_(x);
+}
+
+__device__ inline float load_scalar(const void* p, int is_fp32, int64_t i) {
+  return is_fp32 ? static_cast<const float*>(p)[i] : __bfloat162float(static_cast<const bf16*>(p)[i]);
+}
+
+}  // namespace sm90
+}  // namespace flashkda

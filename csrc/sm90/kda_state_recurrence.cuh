@@ -1,0 +1,239 @@
+// state_recurrence: the sequential part of the chunked KDA prefill.
+//
+// Grid: (N sequences, H heads, V / (16 NW) state slices).  Block: NW warps; warp w owns state rows
+// v in [v0 + 16w, v0 + 16w + 16) as fp32 mma accumulators in registers (16 x D per warp), so warps
+// never exchange state.  Per chunk, with the chunk record of chunk_prepare in shared memory:
+//   VnT = UT - S W^T            (16 x C per warp; S enters as the A operand straight from registers)
+//   OT  = S QT^T + VnT MQK^T    (16 x C)
+//   S   = S diag(gamma) + VnT KD  (16 x D)
+// The record of chunk c+1 streams in with cp.async while chunk c is computed (2 stages).  The output
+// tile goes through shared memory so that global stores are 16-byte rows.
+// Shared memory (D = 128, NW = 8): 2 stages x (W, QT, KD 3 x 17 KB + MQK 9 KB + UT 18 KB + gamma)
+// + output tile 17 KB: about 174 KB.
+#pragma once
+
+#include "sm90/kda_common.cuh"
+
+namespace flashkda {
+namespace sm90 {
+
+template <int D, int NW>
+struct RecurrenceSmem {
+  static constexpr int kVs = 16 * NW;  // state rows per block
+  static constexpr int kLdH = D + 8;
+  static constexpr int kLdC = kChunk + 8;
+  static constexpr int kLdO = kVs + 8;
+  static constexpr int kW = 0;
+  static constexpr int kQT = kW + kChunk * kLdH * 2;
+  static constexpr int kKD = kQT + kChunk * kLdH * 2;
+  static constexpr int kMQK = kKD + kChunk * kLdH * 2;
+  static constexpr int kUT = kMQK + kChunk * kLdC * 2;
+  static constexpr int kGamma = kUT + kVs * kLdC * 2;
+  static constexpr int kStage = kGamma + D * 4;
+  static constexpr int kOut = 2 * kStage;
+  static constexpr int kBytes = kOut + kChunk * kLdO * 2;
+  static_assert(kStage % 16 == 0, "stage alignment");
+};
+
+template <int D, int NW>
+__device__ inline void load_record_async(const char* rec, unsigned char* stage, int v0, int tid) {
+  using SM = RecurrenceSmem<D, NW>;
+  using R = ChunkRecord<D>;
+  constexpr int kThreads = 32 * NW;
+  constexpr int kRowVec = D / 8;  // 16-byte pieces per D row
+  for (int e = tid; e < kChunk * kRowVec; e += kThreads) {
+    const int r = e / kRowVec, c8 = (e % kRowVec) * 8;
+    cp_async_16(stage + SM::kW + (r * SM::kLdH + c8) * 2, rec + R::kW + (r * D + c8) * 2);
+    cp_async_16(stage + SM::kQT + (r * SM::kLdH + c8) * 2, rec + R::kQT + (r * D + c8) * 2);
+    cp_async_16(stage + SM::kKD + (r * SM::kLdH + c8) * 2, rec + R::kKD + (r * D + c8) * 2);
+  }
+  for (int e = tid; e < kChunk * 8; e += kThreads) {
+    const int r = e / 8, c8 = (e % 8) * 8;
+    cp_async_16(stage + SM::kMQK + (r * SM::kLdC + c8) * 2, rec + R::kMQK + (r * kChunk + c8) * 2);
+  }
+  for (int e = tid; e < SM::kVs * 8; e += kThreads) {
+    const int r = e / 8, c8 = (e % 8) * 8;
+    cp_async_16(stage + SM::kUT + (r * SM::kLdC + c8) * 2, rec + R::kUT + ((v0 + r) * kChunk + c8) * 2);
+  }
+  for (int e = tid; e < D / 4; e += kThreads) cp_async_16(stage + SM::kGamma + e * 16, rec + R::kGamma + e * 16);
+}
+
+template <int D, int NW>
+__global__ void __launch_bounds__(32 * NW, 1) state_recurrence_kernel(const PrefillArgs a) {
+  static_assert(D == 64 || D == 128, "head dim");
+  static_assert(16 * NW <= D && D % (16 * NW) == 0, "state slices must tile V");
+  using SM = RecurrenceSmem<D, NW>;
+  constexpr int kThreads = 32 * NW;
+  constexpr int NT = D / 8;  // n-tiles of a state row block
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16* sOut = reinterpret_cast<bf16*>(smem + SM::kOut);
+
+  if (*reinterpret_cast<volatile int*>(a.error_word) != 0) return;  // bad indices: write nothing
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t n = blockIdx.x;
+  const int h = blockIdx.y;
+  const int v0 = blockIdx.z * SM::kVs;
+  const SeqSpan sp = sequence_span(a, n);
+  const int64_t srow = state_row(a, n);
+  const int nchunks = static_cast<int>((sp.len + kChunk - 1) / kChunk);
+
+  if (srow < 0) {  // padded sequence: zero its output rows, touch no state
+    constexpr int kVec = SM::kVs / 8;
+    for (int64_t e = tid; e < sp.len * kVec; e += kThreads) {
+      const int64_t tok = sp.bos + e / kVec;
+      bf16* o = a.out + sp.batch * a.out_sb + tok * a.out_st + h * D + v0 + (e % kVec) * 8;
+      for (int i = 0; i < 8; ++i) o[i] = __float2bfloat16_rn(0.f);
+    }
+    return;
+  }
+
+  // Start loading chunk 0 before touching the state.
+  const char* rec_base = a.records + (sp.slot0 * a.H + h) * static_cast<int64_t>(ChunkRecord<D>::kBytes);
+  const int64_t rec_stride = static_cast<int64_t>(a.H) * ChunkRecord<D>::kBytes;
+  if (nchunks > 0) load_record_async<D, NW>(rec_base, smem, v0, tid);
+  cp_async_commit();
+
+  // State rows of this warp: r0 = v0 + 16 warp + g, r1 = r0 + 8; columns 8 j + 2 t (+1).
+  float s[NT][4];
+  const int r0 = v0 + 16 * warp + g;
+  const bool has_h0 = a.h0 != nullptr && (a.has_initial_state == nullptr || a.has_initial_state[n]);
+  const int64_t sbase = (srow * a.H + h) * static_cast<int64_t>(D) * D;
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int64_t idx = sbase + static_cast<int64_t>(r0 + 8 * (e >> 1)) * D + 8 * j + 2 * t + (e & 1);
+      s[j][e] = has_h0 ? load_scalar(a.h0, a.state_fp32, idx) : 0.f;
+    }
+  }
+
+  for (int c = 0; c < nchunks; ++c) {
+    unsigned char* stage = smem + (c & 1) * SM::kStage;
+    if (c + 1 < nchunks) {
+      load_record_async<D, NW>(rec_base + (c + 1) * rec_stride, smem + ((c + 1) & 1) * SM::kStage, v0, tid);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const bf16* sW = reinterpret_cast<const bf16*>(stage + SM::kW);
+    const bf16* sQT = reinterpret_cast<const bf16*>(stage + SM::kQT);
+    const bf16* sKD = reinterpret_cast<const bf16*>(stage + SM::kKD);
+    const bf16* sMQK = reinterpret_cast<const bf16*>(stage + SM::kMQK);
+    const bf16* sUT = reinterpret_cast<const bf16*>(stage + SM::kUT);
+    const float* sGamma = reinterpret_cast<const float*>(stage + SM::kGamma);
+
+    // VnT = UT - S W^T and OT = S QT^T share the A operand (the state, as bf16).
+    float vn[8][4], o[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int col = 8 * j + 2 * t;
+      const float2 u0 = __bfloat1622float2(
+          *reinterpret_cast<const __nv_bfloat162*>(sUT + (16 * warp + g) * SM::kLdC + col));
+      const float2 u1 = __bfloat1622float2(
+          *reinterpret_cast<const __nv_bfloat162*>(sUT + (16 * warp + g + 8) * SM::kLdC + col));
+      vn[j][0] = u0.x; vn[j][1] = u0.y; vn[j][2] = u1.x; vn[j][3] = u1.y;
+      o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    }
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      uint32_t sa[4], sn[4];
+      sa[0] = pack_bf16(s[2 * ks][0], s[2 * ks][1]);
+      sa[1] = pack_bf16(s[2 * ks][2], s[2 * ks][3]);
+      sa[2] = pack_bf16(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+      sa[3] = pack_bf16(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) sn[i] = sa[i] ^ 0x80008000u;  // -S, exactly
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+        uint32_t bw[4], bq[4];
+        load_b_frag_nk(bw, sW, SM::kLdH, 16 * p, 16 * ks, lane);
+        load_b_frag_nk(bq, sQT, SM::kLdH, 16 * p, 16 * ks, lane);
+        mma_bf16(vn[2 * p], sn, bw[0], bw[1]);
+        mma_bf16(vn[2 * p + 1], sn, bw[2], bw[3]);
+        mma_bf16(o[2 * p], sa, bq[0], bq[1]);
+        mma_bf16(o[2 * p + 1], sa, bq[2], bq[3]);
+      }
+    }
+    // VnT as bf16 A fragments (k = token).
+    uint32_t va[4][4];
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      va[ks][0] = pack_bf16(vn[2 * ks][0], vn[2 * ks][1]);
+      va[ks][1] = pack_bf16(vn[2 * ks][2], vn[2 * ks][3]);
+      va[ks][2] = pack_bf16(vn[2 * ks + 1][0], vn[2 * ks + 1][1]);
+      va[ks][3] = pack_bf16(vn[2 * ks + 1][2], vn[2 * ks + 1][3]);
+    }
+    // OT += VnT MQK^T; MQK is lower triangular, so token block p only needs k-steps ks <= p.
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+#pragma unroll
+      for (int ks = 0; ks <= p; ++ks) {
+        uint32_t bm[4];
+        load_b_frag_nk(bm, sMQK, SM::kLdC, 16 * p, 16 * ks, lane);
+        mma_bf16(o[2 * p], va[ks], bm[0], bm[1]);
+        mma_bf16(o[2 * p + 1], va[ks], bm[2], bm[3]);
+      }
+    }
+    // S = S diag(gamma) + VnT KD.
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const float2 gm = *reinterpret_cast<const float2*>(sGamma + 8 * j + 2 * t);
+      s[j][0] *= gm.x; s[j][1] *= gm.y; s[j][2] *= gm.x; s[j][3] *= gm.y;
+    }
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+#pragma unroll
+      for (int p = 0; p < D / 16; ++p) {
+        uint32_t bk[4];
+        load_b_frag_kn(bk, sKD, SM::kLdH, 16 * p, 16 * ks, lane);
+        mma_bf16(s[2 * p], va[ks], bk[0], bk[1]);
+        mma_bf16(s[2 * p + 1], va[ks], bk[2], bk[3]);
+      }
+    }
+    // Output tile OT (rows v, columns token) -> sOut[token][v].
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int tok = 8 * j + 2 * t, vl = 16 * warp + g;
+      sOut[tok * SM::kLdO + vl] = __float2bfloat16_rn(o[j][0]);
+      sOut[(tok + 1) * SM::kLdO + vl] = __float2bfloat16_rn(o[j][1]);
+      sOut[tok * SM::kLdO + vl + 8] = __float2bfloat16_rn(o[j][2]);
+      sOut[(tok + 1) * SM::kLdO + vl + 8] = __float2bfloat16_rn(o[j][3]);
+    }
+    __syncthreads();
+    const int rows = (sp.len - c * kChunk < kChunk) ? static_cast<int>(sp.len - c * kChunk) : kChunk;
+    constexpr int kVec = SM::kVs / 8;
+    for (int e = tid; e < rows * kVec; e += kThreads) {
+      const int r = e / kVec, c8 = (e % kVec) * 8;
+      const int64_t tok = sp.bos + c * kChunk + r;
+      bf16* dst = a.out + sp.batch * a.out_sb + tok * a.out_st + h * D + v0 + c8;
+      const bf16* src = sOut + r * SM::kLdO + c8;
+      if (a.vec_out) {
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+      } else {
+        for (int i = 0; i < 8; ++i) dst[i] = src[i];
+      }
+    }
+  }
+
+  if (a.ht != nullptr) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t idx = sbase + static_cast<int64_t>(r0 + 8 * (e >> 1)) * D + 8 * j + 2 * t + (e & 1);
+        if (a.state_fp32) {
+          static_cast<float*>(a.ht)[idx] = s[j][e];
+        } else {
+          static_cast<bf16*>(a.ht)[idx] = __float2bfloat16_rn(s[j][e]);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace sm90
+}  // namespace flashkda

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One device call: build FlashKDA on the GPU machine, check it (record decoder, GPU pytest suite,
+# compute-sanitizer) and benchmark it against fla.  Everything goes to $OUT/run.log; the benchmark
+# JSON/markdown and the Triton autotune cache (for the next call) go beside it.
+#   MODE=quick  build + debug + GPU tests + sanitizer + bench without fla
+#   MODE=full   the same with fla in the benchmark (default)
+set -uo pipefail
+OUT=${OUT:-/tmp/flashkda_out}
+MODE=${MODE:-full}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/run.log") 2>&1
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton_cache CMAKE_BUILD_PARALLEL_LEVEL=16
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+if ls .cache/triton_cache.tgz.part* >/dev/null 2>&1; then cat .cache/triton_cache.tgz.part* | tar xzf - -C /tmp; fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
+date -u
+t0=$(date +%s)
+python3 -m pip install --no-build-isolation --no-deps . > /tmp/build.log 2>&1 || { tail -60 /tmp/build.log; exit 1; }
+echo "build: $(( $(date +%s) - t0 )) s"
+python3 scripts/debug_records.py --T 130 --H 2
+python3 scripts/debug_records.py --T 200 --H 1 --gate softplus
+python3 scripts/debug_records.py --T 100 --H 1 --D 64
+timeout 300 python3 -m pytest -m gpu tests/python -q -x --maxfail=3 -p no:cacheprovider ${PYTEST_ARGS:-}
+if [ "${SANITIZE:-1}" = 1 ]; then
+  compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_case.py; echo "memcheck rc=$?"
+  compute-sanitizer --tool racecheck --error-exitcode 9 python3 scripts/sanitize_case.py; echo "racecheck rc=$?"
+fi
+BARGS=""
+[ "$MODE" = quick ] && BARGS="--no-fla"
+python3 bench/bench_prefill.py --json "$OUT/bench.json" --md "$OUT/benchmarks.md" $BARGS ${BENCH_ARGS:-}
+if [ -d /tmp/triton_cache ]; then tar czf - -C /tmp triton_cache | split -b 15M - "$OUT/triton_cache.tgz.part"; fi
+echo "total: $(( $(date +%s) - t0 )) s"
