@@ -1,0 +1,347 @@
+// FlashKDA CPU reference (see include/flashkda/reference.h and ../shared/kda_spec.md).
+//
+// Plain loops in double.  The chunked core writes every product of decays as one exponential of a
+// difference, exp(G_i - G_j) with i >= j (or exp(G_last - G_j)), which is <= 1 whenever the log
+// decays are <= 0, so it never overflows whatever the chunk size or the decay strength.
+#include "flashkda/reference.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace flashkda {
+namespace reference {
+
+// ---------------------------------------------------------------------------------------------
+// Cores
+
+void kda_recurrent(const double* q, const double* k, const double* v, const double* a, const double* b,
+                   int64_t T, int64_t K, int64_t V, double scale, double* S, double* o) {
+  std::vector<double> decay(K);
+  for (int64_t t = 0; t < T; ++t) {
+    const double* qt = q + t * K;
+    const double* kt = k + t * K;
+    const double* vt = v + t * V;
+    for (int64_t c = 0; c < K; ++c) decay[c] = std::exp(a[t * K + c]);
+    for (int64_t r = 0; r < V; ++r) {
+      double* Sr = S + r * K;
+      double sk = 0.0;
+      for (int64_t c = 0; c < K; ++c) {
+        Sr[c] *= decay[c];
+        sk += Sr[c] * kt[c];
+      }
+      const double bu = b[t] * (vt[r] - sk);
+      double sq = 0.0;
+      for (int64_t c = 0; c < K; ++c) {
+        Sr[c] += bu * kt[c];
+        sq += Sr[c] * qt[c];
+      }
+      o[t * V + r] = scale * sq;
+    }
+  }
+}
+
+void kda_chunked(const double* q, const double* k, const double* v, const double* a, const double* b,
+                 int64_t T, int64_t K, int64_t V, double scale, int64_t C, double* S, double* o) {
+  C = std::max<int64_t>(1, std::min(C, T));  // a chunk never needs more rows than the sequence
+  std::vector<double> G(C * K);              // cumulative log decay inside the chunk
+  std::vector<double> L(C * C);              // strict lower: b_i * sum_k k_ik k_jk exp(G_ik - G_jk)
+  std::vector<double> Mqk(C * C);            // lower incl. diag: scale * sum_k q_ik k_jk exp(G_ik - G_jk)
+  std::vector<double> W(C * K), U(C * V), Vn(C * V), Kend(C * K);
+  for (int64_t t0 = 0; t0 < T; t0 += C) {
+    const int64_t c = std::min<int64_t>(C, T - t0);
+    const double* qc = q + t0 * K;
+    const double* kc = k + t0 * K;
+    const double* vc = v + t0 * V;
+    const double* ac = a + t0 * K;
+    const double* bc = b + t0;
+    for (int64_t kk = 0; kk < K; ++kk) {
+      double acc = 0.0;
+      for (int64_t i = 0; i < c; ++i) {
+        acc += ac[i * K + kk];
+        G[i * K + kk] = acc;
+      }
+    }
+    // L and Mqk with pairwise decays.
+    for (int64_t i = 0; i < c; ++i) {
+      for (int64_t j = 0; j <= i; ++j) {
+        double lk = 0.0, qk = 0.0;
+        for (int64_t kk = 0; kk < K; ++kk) {
+          const double e = std::exp(G[i * K + kk] - G[j * K + kk]);
+          lk += kc[i * K + kk] * kc[j * K + kk] * e;
+          qk += qc[i * K + kk] * kc[j * K + kk] * e;
+        }
+        L[i * C + j] = j < i ? bc[i] * lk : 0.0;
+        Mqk[i * C + j] = scale * qk;
+      }
+    }
+    // W = T_inv diag(b) kt, U = T_inv diag(b) V with T_inv = (I + L)^-1: forward substitution.
+    for (int64_t i = 0; i < c; ++i) {
+      for (int64_t kk = 0; kk < K; ++kk) {
+        double x = bc[i] * kc[i * K + kk] * std::exp(G[i * K + kk]);
+        for (int64_t j = 0; j < i; ++j) x -= L[i * C + j] * W[j * K + kk];
+        W[i * K + kk] = x;
+      }
+      for (int64_t r = 0; r < V; ++r) {
+        double x = bc[i] * vc[i * V + r];
+        for (int64_t j = 0; j < i; ++j) x -= L[i * C + j] * U[j * V + r];
+        U[i * V + r] = x;
+      }
+    }
+    // Vn = U - W S0^T
+    for (int64_t i = 0; i < c; ++i) {
+      for (int64_t r = 0; r < V; ++r) {
+        double ws = 0.0;
+        for (int64_t kk = 0; kk < K; ++kk) ws += W[i * K + kk] * S[r * K + kk];
+        Vn[i * V + r] = U[i * V + r] - ws;
+      }
+    }
+    // O = qt S0^T + Mqk Vn
+    for (int64_t i = 0; i < c; ++i) {
+      for (int64_t r = 0; r < V; ++r) {
+        double x = 0.0;
+        for (int64_t kk = 0; kk < K; ++kk) x += qc[i * K + kk] * std::exp(G[i * K + kk]) * S[r * K + kk];
+        x *= scale;
+        for (int64_t j = 0; j <= i; ++j) x += Mqk[i * C + j] * Vn[j * V + r];
+        o[(t0 + i) * V + r] = x;
+      }
+    }
+    // S1 = S0 * exp(G_last) + Vn^T (k * exp(G_last - G))
+    const double* Gl = &G[(c - 1) * K];
+    for (int64_t i = 0; i < c; ++i)
+      for (int64_t kk = 0; kk < K; ++kk) Kend[i * K + kk] = kc[i * K + kk] * std::exp(Gl[kk] - G[i * K + kk]);
+    for (int64_t r = 0; r < V; ++r) {
+      for (int64_t kk = 0; kk < K; ++kk) {
+        double x = S[r * K + kk] * std::exp(Gl[kk]);
+        for (int64_t i = 0; i < c; ++i) x += Vn[i * V + r] * Kend[i * K + kk];
+        S[r * K + kk] = x;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Preprocessing
+
+namespace {
+
+double sigmoid(double x) {
+  if (x >= 0) return 1.0 / (1.0 + std::exp(-x));
+  const double e = std::exp(x);
+  return e / (1.0 + e);
+}
+
+double softplus(double x) {
+  // log(1 + e^x) without overflow: x + log1p(e^-x) for x > 0 (-> x for large x).
+  if (x > 0) return x + std::log1p(std::exp(-x));
+  return std::log1p(std::exp(x));
+}
+
+}  // namespace
+
+void l2_normalize(double* x, int64_t n) {
+  double ss = 0.0;
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const double inv = 1.0 / std::sqrt(ss + 1e-6);
+  for (int64_t i = 0; i < n; ++i) x[i] *= inv;
+}
+
+double gate_log_decay(GateMode mode, double g, double A_log_h, double dt_bias_hk, double lower_bound) {
+  switch (mode) {
+    case GateMode::kBounded:
+      return lower_bound * sigmoid(std::exp(A_log_h) * (g + dt_bias_hk));
+    case GateMode::kSoftplus:
+      return -std::exp(A_log_h) * softplus(g + dt_bias_hk);
+    case GateMode::kPrecomputed:
+      return g;
+  }
+  return g;
+}
+
+double beta_activation(bool use_sigmoid, double beta) { return use_sigmoid ? sigmoid(beta) : beta; }
+
+// ---------------------------------------------------------------------------------------------
+// bf16
+
+uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);  // quiet NaN
+  const uint32_t lsb = (u >> 16) & 1u;
+  u += 0x7fffu + lsb;  // round to nearest even (overflows into the exponent / to inf correctly)
+  return static_cast<uint16_t>(u >> 16);
+}
+
+float bf16_to_float(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+namespace {
+
+// double -> bf16 with a single rounding (to nearest even): round to float with round-to-odd first
+// (float keeps 16 more bits than bf16, so the second rounding sees a correct sticky bit).
+uint16_t double_to_bf16(double d) {
+  if (std::isnan(d)) return float_to_bf16(static_cast<float>(d));
+  float f = static_cast<float>(d);
+  if (std::isfinite(f) && static_cast<double>(f) != d) {
+    if (std::fabs(static_cast<double>(f)) > std::fabs(d)) f = std::nextafter(f, 0.0f);  // toward zero
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    u |= 1u;  // odd
+    std::memcpy(&f, &u, 4);
+  } else if (std::isinf(f) && std::isfinite(d)) {
+    // |d| is beyond FLT_MAX, hence beyond the bf16 rounding threshold too.
+    return d > 0 ? 0x7f80 : 0xff80;
+  }
+  return float_to_bf16(f);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Strided element access
+
+double load_real(const TensorRef& t, int64_t off) {
+  if (t.dtype == DType::kBFloat16) return bf16_to_float(static_cast<const uint16_t*>(t.data)[off]);
+  return static_cast<const float*>(t.data)[off];
+}
+
+void store_real(const TensorRef& t, int64_t off, double x) {
+  if (t.dtype == DType::kBFloat16) {
+    static_cast<uint16_t*>(t.data)[off] = double_to_bf16(x);
+  } else {
+    static_cast<float*>(t.data)[off] = static_cast<float>(x);
+  }
+}
+
+int64_t load_index(const TensorRef& t, int64_t i) {
+  const int64_t off = i * t.strides[0];
+  if (t.dtype == DType::kInt32) return static_cast<const int32_t*>(t.data)[off];
+  return static_cast<const int64_t*>(t.data)[off];
+}
+
+bool load_bool(const TensorRef& t, int64_t i) {
+  return static_cast<const uint8_t*>(t.data)[i * t.strides[0]] != 0;
+}
+
+int64_t offset4(const TensorRef& t, int64_t b, int64_t s, int64_t h, int64_t d) {
+  return b * t.strides[0] + s * t.strides[1] + h * t.strides[2] + d * t.strides[3];
+}
+
+bool on_cpu(const TensorRef& t) { return !t.defined() || t.device == DeviceType::kCPU; }
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// The whole prefill
+
+Status prefill_reference(const PrefillParams& p, int64_t chunk_size) {
+  ProblemShape sh;
+  Status st = can_implement(p, &sh);
+  if (!st.ok()) return st;
+  const std::pair<const char*, const TensorRef*> all[] = {
+      {"q", &p.q},
+      {"k", &p.k},
+      {"v", &p.v},
+      {"g", &p.g},
+      {"beta", &p.beta},
+      {"A_log", &p.A_log},
+      {"dt_bias", &p.dt_bias},
+      {"out", &p.out},
+      {"initial_state", &p.initial_state},
+      {"final_state", &p.final_state},
+      {"cu_seqlens", &p.cu_seqlens},
+      {"state_indices", &p.state_indices},
+      {"has_initial_state", &p.has_initial_state},
+  };
+  for (const auto& a : all) {
+    if (!on_cpu(*a.second)) {
+      return Status::invalid(std::string("flashkda: argument '") + a.first +
+                             "': expected a CPU tensor (the reference runs on the host), got a CUDA tensor");
+    }
+  }
+  if (chunk_size < 0) {
+    return Status::invalid("flashkda: argument 'chunk_size': expected >= 0, got " +
+                           std::to_string(chunk_size));
+  }
+
+  const int64_t H = sh.H, K = sh.K, V = sh.V, N = sh.N;
+  const double scale = p.scale > 0 ? static_cast<double>(p.scale) : 1.0 / std::sqrt(static_cast<double>(K));
+  const bool gate_params = p.gate_mode != GateMode::kPrecomputed;
+  const float* A_log = gate_params ? static_cast<const float*>(p.A_log.data) : nullptr;
+  const float* dt_bias = gate_params ? static_cast<const float*>(p.dt_bias.data) : nullptr;
+
+  std::vector<double> q, k, v, a, b, o, S(V * K);
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t row = sh.varlen ? 0 : n;
+    const int64_t bos = sh.varlen ? load_index(p.cu_seqlens, n) : 0;
+    const int64_t eos = sh.varlen ? load_index(p.cu_seqlens, n + 1) : sh.T;
+    const int64_t L = eos - bos;
+    const int64_t slot = p.state_indices.defined() ? load_index(p.state_indices, n) : n;
+
+    if (slot < 0) {  // padding: zero output, no state read or write
+      for (int64_t t = 0; t < L; ++t)
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t r = 0; r < V; ++r)
+            static_cast<uint16_t*>(p.out.data)[offset4(p.out, row, bos + t, h, r)] = 0;
+      continue;
+    }
+    const bool read_state =
+        p.initial_state.defined() && (!p.has_initial_state.defined() || load_bool(p.has_initial_state, n));
+
+    q.assign(L * K, 0.0);
+    k.assign(L * K, 0.0);
+    a.assign(L * K, 0.0);
+    v.assign(L * V, 0.0);
+    b.assign(L, 0.0);
+    o.assign(L * V, 0.0);
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t t = 0; t < L; ++t) {
+        const int64_t s = bos + t;
+        for (int64_t c = 0; c < K; ++c) {
+          q[t * K + c] = load_real(p.q, offset4(p.q, row, s, h, c));
+          k[t * K + c] = load_real(p.k, offset4(p.k, row, s, h, c));
+          const double g = load_real(p.g, offset4(p.g, row, s, h, c));
+          a[t * K + c] =
+              gate_params ? gate_log_decay(p.gate_mode, g, A_log[h], dt_bias[h * K + c], p.lower_bound) : g;
+        }
+        for (int64_t r = 0; r < V; ++r) v[t * V + r] = load_real(p.v, offset4(p.v, row, s, h, r));
+        const int64_t boff = row * p.beta.strides[0] + s * p.beta.strides[1] + h * p.beta.strides[2];
+        b[t] = beta_activation(p.use_beta_sigmoid, load_real(p.beta, boff));
+        if (p.use_qk_l2norm) {
+          l2_normalize(&q[t * K], K);
+          l2_normalize(&k[t * K], K);
+        }
+      }
+
+      const int64_t state_off = (slot * H + h) * V * K;  // states are contiguous [P, H, V, K]
+      if (read_state) {
+        for (int64_t i = 0; i < V * K; ++i) S[i] = load_real(p.initial_state, state_off + i);
+      } else {
+        std::fill(S.begin(), S.end(), 0.0);
+      }
+
+      if (chunk_size == 0) {
+        kda_recurrent(q.data(), k.data(), v.data(), a.data(), b.data(), L, K, V, scale, S.data(), o.data());
+      } else {
+        kda_chunked(q.data(), k.data(), v.data(), a.data(), b.data(), L, K, V, scale, chunk_size, S.data(),
+                    o.data());
+      }
+
+      for (int64_t t = 0; t < L; ++t)
+        for (int64_t r = 0; r < V; ++r)
+          static_cast<uint16_t*>(p.out.data)[offset4(p.out, row, bos + t, h, r)] =
+              double_to_bf16(o[t * V + r]);
+      if (p.final_state.defined()) {
+        for (int64_t i = 0; i < V * K; ++i) store_real(p.final_state, state_off + i, S[i]);
+      }
+    }
+  }
+  return Status::ok_status();
+}
+
+}  // namespace reference
+}  // namespace flashkda

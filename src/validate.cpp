@@ -1,0 +1,548 @@
+// Argument validation of the public API (can_implement) and the small TensorRef helpers.
+//
+// can_implement() checks the arguments in a fixed order and returns the first problem it finds as
+// "flashkda: argument '<name>': expected <what>, got <what>".  It never aborts and never writes; it
+// reads host memory only (the values of CPU cu_seqlens / state_indices).  Stride rules follow
+// PyTorch's notion of contiguity: the stride of a dimension of size <= 1 is never looked at.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <sstream>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "flashkda/flashkda.h"
+
+namespace flashkda {
+
+const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::kBFloat16:
+      return "bfloat16";
+    case DType::kFloat16:
+      return "float16";
+    case DType::kFloat32:
+      return "float32";
+    case DType::kFloat64:
+      return "float64";
+    case DType::kInt32:
+      return "int32";
+    case DType::kInt64:
+      return "int64";
+    case DType::kBool:
+      return "bool";
+    case DType::kOther:
+      return "other";
+  }
+  return "unknown";
+}
+
+const char* gate_mode_name(GateMode m) {
+  switch (m) {
+    case GateMode::kBounded:
+      return "bounded";
+    case GateMode::kSoftplus:
+      return "softplus";
+    case GateMode::kPrecomputed:
+      return "precomputed";
+  }
+  return "unknown";
+}
+
+size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::kBFloat16:
+    case DType::kFloat16:
+      return 2;
+    case DType::kFloat32:
+    case DType::kInt32:
+      return 4;
+    case DType::kFloat64:
+    case DType::kInt64:
+      return 8;
+    case DType::kBool:
+      return 1;
+    case DType::kOther:
+      return 0;
+  }
+  return 0;
+}
+
+int64_t TensorRef::numel() const {
+  if (ndim < 0) return 0;
+  int64_t n = 1;
+  const int r = std::min(ndim, kMaxRank);
+  for (int i = 0; i < r; ++i) n *= sizes[i];
+  return n;
+}
+
+TensorRef make_tensor_ref(void* data, DType dtype, std::initializer_list<int64_t> sizes, DeviceType device,
+                          int device_index) {
+  TensorRef t;
+  t.data = data;
+  t.dtype = dtype;
+  t.ndim = static_cast<int>(sizes.size());  // a rank > kMaxRank is kept so that validation rejects it
+  t.device = device;
+  t.device_index = device_index;
+  int i = 0;
+  for (int64_t s : sizes) {
+    if (i >= kMaxRank) break;
+    t.sizes[i++] = s;
+  }
+  const int r = std::min(t.ndim, kMaxRank);
+  int64_t stride = 1;
+  for (int d = r - 1; d >= 0; --d) {
+    t.strides[d] = stride;
+    stride *= std::max<int64_t>(t.sizes[d], 1);
+  }
+  return t;
+}
+
+TensorRef make_strided_tensor_ref(void* data, DType dtype, std::initializer_list<int64_t> sizes,
+                                  std::initializer_list<int64_t> strides, DeviceType device,
+                                  int device_index) {
+  TensorRef t = make_tensor_ref(data, dtype, sizes, device, device_index);
+  int i = 0;
+  for (int64_t s : strides) {
+    if (i >= kMaxRank || i >= t.ndim) break;
+    t.strides[i++] = s;
+  }
+  return t;
+}
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Formatting
+
+std::string list_str(const int64_t* v, int n) {
+  std::string s = "[";
+  for (int i = 0; i < n; ++i) {
+    if (i) s += ", ";
+    s += std::to_string(v[i]);
+  }
+  return s + "]";
+}
+
+int rank_of(const TensorRef& t) { return std::min(std::max(t.ndim, 0), kMaxRank); }
+std::string shape_str(const TensorRef& t) { return list_str(t.sizes, rank_of(t)); }
+std::string strides_str(const TensorRef& t) { return list_str(t.strides, rank_of(t)); }
+std::string shape_str(std::initializer_list<int64_t> s) {
+  std::vector<int64_t> v(s);
+  return list_str(v.data(), static_cast<int>(v.size()));
+}
+
+std::string device_str(DeviceType d, int index) {
+  return (d == DeviceType::kCPU ? std::string("cpu") : std::string("cuda")) + ":" + std::to_string(index);
+}
+
+std::string float_str(double x) {
+  std::ostringstream os;
+  os.precision(9);
+  os << x;
+  return os.str();
+}
+
+Status bad(const char* name, const std::string& expected, const std::string& got) {
+  return Status::invalid(std::string("flashkda: argument '") + name + "': expected " + expected + ", got " +
+                         got);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Building blocks.  Each returns ok or the error for argument `name`.
+
+Status check_given(const char* name, const TensorRef& t, const char* layout) {
+  if (!t.defined()) return bad(name, std::string("a tensor ") + layout, "none");
+  return Status::ok_status();
+}
+
+Status check_rank(const char* name, const TensorRef& t, int rank, const char* layout) {
+  if (t.ndim != rank) {
+    return bad(name, "rank " + std::to_string(rank) + " " + layout,
+               "rank " + std::to_string(t.ndim) + (t.ndim <= kMaxRank ? " " + shape_str(t) : std::string()));
+  }
+  for (int i = 0; i < rank; ++i) {
+    if (t.sizes[i] < 0) return bad(name, "non-negative sizes", shape_str(t));
+  }
+  return Status::ok_status();
+}
+
+Status check_dtype(const char* name, const TensorRef& t, std::initializer_list<DType> allowed) {
+  for (DType d : allowed) {
+    if (t.dtype == d) return Status::ok_status();
+  }
+  std::string exp = "dtype ";
+  int i = 0;
+  for (DType d : allowed) {
+    if (i++) exp += " or ";
+    exp += dtype_name(d);
+  }
+  return bad(name, exp, dtype_name(t.dtype));
+}
+
+Status check_shape(const char* name, const TensorRef& t, std::initializer_list<int64_t> expected,
+                   const char* labels) {
+  int i = 0;
+  bool same = t.ndim == static_cast<int>(expected.size());
+  for (int64_t e : expected) {
+    if (!same) break;
+    if (t.sizes[i++] != e) same = false;
+  }
+  if (!same) return bad(name, "shape " + shape_str(expected) + " " + labels, shape_str(t));
+  return Status::ok_status();
+}
+
+// The last two dims form a contiguous [H, D] block (D = sizes[r-1]); the outer strides are free
+// but non-negative.  For rank 3 (beta) only the last dim must be contiguous.
+Status check_token_block(const char* name, const TensorRef& t, bool two_inner_dims, const char* what) {
+  const int r = t.ndim;
+  bool ok = t.sizes[r - 1] <= 1 || t.strides[r - 1] == 1;
+  if (two_inner_dims) ok = ok && (t.sizes[r - 2] <= 1 || t.strides[r - 2] == t.sizes[r - 1]);
+  const int outer = two_inner_dims ? r - 2 : r - 1;
+  for (int i = 0; i < outer; ++i) ok = ok && (t.sizes[i] <= 1 || t.strides[i] >= 0);
+  if (!ok) {
+    std::string exp = "strides [";
+    for (int i = 0; i < outer; ++i) exp += i ? ", >=0" : ">=0";
+    if (two_inner_dims) exp += ", " + std::to_string(t.sizes[r - 1]);
+    exp += ", 1] (" + std::string(what) + ")";
+    return bad(name, exp, "strides " + strides_str(t));
+  }
+  return Status::ok_status();
+}
+
+bool is_contiguous(const TensorRef& t) {
+  int64_t expected = 1;
+  for (int d = t.ndim - 1; d >= 0; --d) {
+    if (t.sizes[d] == 0) return true;
+    if (t.sizes[d] != 1 && t.strides[d] != expected) return false;
+    expected *= t.sizes[d];
+  }
+  return true;
+}
+
+Status check_contiguous(const char* name, const TensorRef& t) {
+  if (!is_contiguous(t)) return bad(name, "a contiguous tensor", "strides " + strides_str(t));
+  return Status::ok_status();
+}
+
+Status check_data(const char* name, const TensorRef& t) {
+  const int64_t n = t.numel();
+  if (t.data == nullptr && n != 0) {
+    return bad(name, "a non-null data pointer", "null with " + std::to_string(n) + " elements");
+  }
+  return Status::ok_status();
+}
+
+// Output [B, T, H, V] with a contiguous [H, V] block: the (batch, token) placement must not make two
+// tokens share memory (sufficient test: sorted by stride, each dim clears the extent of the inner).
+Status check_no_self_overlap(const char* name, const TensorRef& t) {
+  struct Dim {
+    int64_t size, stride;
+  };
+  std::vector<Dim> dims;
+  for (int i = 0; i < 2; ++i) {
+    if (t.sizes[i] > 1) dims.push_back({t.sizes[i], t.strides[i]});
+  }
+  std::sort(dims.begin(), dims.end(), [](const Dim& a, const Dim& b) { return a.stride < b.stride; });
+  int64_t extent = t.sizes[2] * t.sizes[3];
+  for (const Dim& d : dims) {
+    if (d.stride < extent)
+      return bad(name, "non-overlapping batch and token strides", "strides " + strides_str(t));
+    extent = d.stride * d.size;
+  }
+  return Status::ok_status();
+}
+
+#define FLASHKDA_TRY(expr)     \
+  do {                         \
+    Status _st = (expr);       \
+    if (!_st.ok()) return _st; \
+  } while (0)
+
+int64_t read_index(const TensorRef& t, int64_t i) {
+  const char* base = static_cast<const char*>(t.data);
+  const int64_t off = i * t.strides[0];
+  if (t.dtype == DType::kInt32) return reinterpret_cast<const int32_t*>(base)[off];
+  return reinterpret_cast<const int64_t*>(base)[off];
+}
+
+// Byte range [lo, hi) that a contiguous tensor occupies.
+void byte_range(const TensorRef& t, uintptr_t* lo, uintptr_t* hi) {
+  *lo = reinterpret_cast<uintptr_t>(t.data);
+  *hi = *lo + static_cast<uintptr_t>(t.numel()) * dtype_size(t.dtype);
+}
+
+}  // namespace
+
+Status can_implement(const PrefillParams& p, ProblemShape* shape) {
+  const char* kBTHK = "(B, T, H, K)";
+  const char* kBTHV = "(B, T, H, V)";
+
+  // ---- q defines B, T, H, K.
+  FLASHKDA_TRY(check_given("q", p.q, "[B, T, H, K]"));
+  FLASHKDA_TRY(check_rank("q", p.q, 4, "[B, T, H, K]"));
+  FLASHKDA_TRY(check_dtype("q", p.q, {DType::kBFloat16}));
+  const int64_t B = p.q.sizes[0], T = p.q.sizes[1], H = p.q.sizes[2], K = p.q.sizes[3];
+  if (H < 1) return bad("q", "H >= 1 heads", "H=" + std::to_string(H));
+  FLASHKDA_TRY(check_token_block("q", p.q, true, "each token's [H, K] block contiguous"));
+
+  // ---- devices: every given tensor where q is.
+  {
+    const bool gate_params = p.gate_mode != GateMode::kPrecomputed;
+    const std::pair<const char*, const TensorRef*> all[] = {
+        {"k", &p.k},
+        {"v", &p.v},
+        {"g", &p.g},
+        {"beta", &p.beta},
+        {"A_log", gate_params ? &p.A_log : nullptr},
+        {"dt_bias", gate_params ? &p.dt_bias : nullptr},
+        {"out", &p.out},
+        {"initial_state", &p.initial_state},
+        {"final_state", &p.final_state},
+        {"cu_seqlens", &p.cu_seqlens},
+        {"state_indices", &p.state_indices},
+        {"has_initial_state", &p.has_initial_state},
+    };
+    for (const auto& a : all) {
+      if (a.second == nullptr || !a.second->defined()) continue;
+      if (a.second->device != p.q.device || a.second->device_index != p.q.device_index) {
+        return bad(a.first, "device " + device_str(p.q.device, p.q.device_index) + " (that of q)",
+                   device_str(a.second->device, a.second->device_index));
+      }
+    }
+    if (p.q.device == DeviceType::kCUDA) {
+      if (p.q.device_index < 0) return bad("q", "a CUDA device index >= 0", std::to_string(p.q.device_index));
+      Status st = cuda_device_supported(p.q.device_index);
+      if (!st.ok()) return st;
+    } else if (p.q.device != DeviceType::kCPU) {
+      return bad("q", "device cpu or cuda", "device type " + std::to_string(static_cast<int>(p.q.device)));
+    }
+  }
+  FLASHKDA_TRY(check_data("q", p.q));
+
+  // ---- k, v
+  FLASHKDA_TRY(check_given("k", p.k, "[B, T, H, K]"));
+  FLASHKDA_TRY(check_rank("k", p.k, 4, "[B, T, H, K]"));
+  FLASHKDA_TRY(check_dtype("k", p.k, {DType::kBFloat16}));
+  FLASHKDA_TRY(check_shape("k", p.k, {B, T, H, K}, kBTHK));
+  FLASHKDA_TRY(check_token_block("k", p.k, true, "each token's [H, K] block contiguous"));
+  FLASHKDA_TRY(check_data("k", p.k));
+
+  FLASHKDA_TRY(check_given("v", p.v, "[B, T, H, V]"));
+  FLASHKDA_TRY(check_rank("v", p.v, 4, "[B, T, H, V]"));
+  FLASHKDA_TRY(check_dtype("v", p.v, {DType::kBFloat16}));
+  const int64_t V = p.v.sizes[3];
+  FLASHKDA_TRY(check_shape("v", p.v, {B, T, H, V}, kBTHV));
+  FLASHKDA_TRY(check_token_block("v", p.v, true, "each token's [H, V] block contiguous"));
+  FLASHKDA_TRY(check_data("v", p.v));
+
+  // ---- head dims (a valid KDA problem the kernels do not cover: not_implemented)
+  if (K != 64 && K != 128) {
+    return Status::not_implemented("flashkda: argument 'q': expected head dim K == V in {64, 128}, got K=" +
+                                   std::to_string(K) + ", V=" + std::to_string(V));
+  }
+  if (V != K) {
+    return Status::not_implemented("flashkda: argument 'v': expected head dim K == V in {64, 128}, got K=" +
+                                   std::to_string(K) + ", V=" + std::to_string(V));
+  }
+
+  // ---- g, beta, out
+  FLASHKDA_TRY(check_given("g", p.g, "[B, T, H, K]"));
+  FLASHKDA_TRY(check_rank("g", p.g, 4, "[B, T, H, K]"));
+  FLASHKDA_TRY(check_dtype("g", p.g, {DType::kBFloat16, DType::kFloat32}));
+  FLASHKDA_TRY(check_shape("g", p.g, {B, T, H, K}, kBTHK));
+  FLASHKDA_TRY(check_token_block("g", p.g, true, "each token's [H, K] block contiguous"));
+  FLASHKDA_TRY(check_data("g", p.g));
+
+  FLASHKDA_TRY(check_given("beta", p.beta, "[B, T, H]"));
+  FLASHKDA_TRY(check_rank("beta", p.beta, 3, "[B, T, H]"));
+  FLASHKDA_TRY(check_dtype("beta", p.beta, {DType::kBFloat16, DType::kFloat32}));
+  FLASHKDA_TRY(check_shape("beta", p.beta, {B, T, H}, "(B, T, H)"));
+  FLASHKDA_TRY(check_token_block("beta", p.beta, false, "each token's [H] row contiguous"));
+  FLASHKDA_TRY(check_data("beta", p.beta));
+
+  FLASHKDA_TRY(check_given("out", p.out, "[B, T, H, V]"));
+  FLASHKDA_TRY(check_rank("out", p.out, 4, "[B, T, H, V]"));
+  FLASHKDA_TRY(check_dtype("out", p.out, {DType::kBFloat16}));
+  FLASHKDA_TRY(check_shape("out", p.out, {B, T, H, V}, kBTHV));
+  FLASHKDA_TRY(check_token_block("out", p.out, true, "each token's [H, V] block contiguous"));
+  FLASHKDA_TRY(check_no_self_overlap("out", p.out));
+  FLASHKDA_TRY(check_data("out", p.out));
+
+  // ---- gate parameters and scalars
+  if (p.gate_mode != GateMode::kBounded && p.gate_mode != GateMode::kSoftplus &&
+      p.gate_mode != GateMode::kPrecomputed) {
+    return bad("gate_mode", "bounded, softplus or precomputed",
+               std::to_string(static_cast<int>(p.gate_mode)));
+  }
+  if (p.gate_mode != GateMode::kPrecomputed) {
+    const std::string why = std::string(" (required by the ") + gate_mode_name(p.gate_mode) + " gate)";
+    FLASHKDA_TRY(check_given("A_log", p.A_log, ("[H] float32" + why).c_str()));
+    FLASHKDA_TRY(check_rank("A_log", p.A_log, 1, "[H]"));
+    FLASHKDA_TRY(check_dtype("A_log", p.A_log, {DType::kFloat32}));
+    FLASHKDA_TRY(check_shape("A_log", p.A_log, {H}, "(H)"));
+    FLASHKDA_TRY(check_contiguous("A_log", p.A_log));
+    FLASHKDA_TRY(check_data("A_log", p.A_log));
+
+    FLASHKDA_TRY(check_given("dt_bias", p.dt_bias, ("[H, K] float32" + why).c_str()));
+    FLASHKDA_TRY(check_dtype("dt_bias", p.dt_bias, {DType::kFloat32}));
+    const bool shape_ok = (p.dt_bias.ndim == 2 && p.dt_bias.sizes[0] == H && p.dt_bias.sizes[1] == K) ||
+                          (p.dt_bias.ndim == 1 && p.dt_bias.sizes[0] == H * K);
+    if (!shape_ok) {
+      return bad("dt_bias", "shape " + shape_str({H, K}) + " (H, K) or " + shape_str({H * K}) + " (H*K)",
+                 p.dt_bias.ndim >= 0 && p.dt_bias.ndim <= kMaxRank
+                     ? shape_str(p.dt_bias)
+                     : "rank " + std::to_string(p.dt_bias.ndim));
+    }
+    FLASHKDA_TRY(check_contiguous("dt_bias", p.dt_bias));
+    FLASHKDA_TRY(check_data("dt_bias", p.dt_bias));
+  }
+  if (p.gate_mode == GateMode::kBounded) {
+    const float lb = p.lower_bound;
+    if (!std::isfinite(lb) || !(lb >= -5.0f && lb < 0.0f)) {
+      return bad("lower_bound", "a finite value in [-5, 0)", float_str(lb));
+    }
+  }
+  if (!std::isfinite(p.scale)) return bad("scale", "a finite value (<= 0 means K^-0.5)", float_str(p.scale));
+
+  // ---- cu_seqlens -> N
+  int64_t N = B;
+  const bool varlen = p.cu_seqlens.defined();
+  if (varlen) {
+    const TensorRef& cu = p.cu_seqlens;
+    FLASHKDA_TRY(check_rank("cu_seqlens", cu, 1, "[N+1]"));
+    FLASHKDA_TRY(check_dtype("cu_seqlens", cu, {DType::kInt32, DType::kInt64}));
+    if (cu.sizes[0] < 1) return bad("cu_seqlens", "at least 1 element [N+1]", shape_str(cu));
+    FLASHKDA_TRY(check_contiguous("cu_seqlens", cu));
+    FLASHKDA_TRY(check_data("cu_seqlens", cu));
+    if (B != 1) {
+      return bad("cu_seqlens", "B == 1 (q of shape [1, total_tokens, H, K]) when cu_seqlens is given",
+                 "B=" + std::to_string(B));
+    }
+    N = cu.sizes[0] - 1;
+    if (cu.device == DeviceType::kCPU) {
+      const int64_t first = read_index(cu, 0);
+      if (first != 0) return bad("cu_seqlens", "cu_seqlens[0] == 0", std::to_string(first));
+      int64_t prev = first;
+      for (int64_t i = 1; i <= N; ++i) {
+        const int64_t c = read_index(cu, i);
+        if (c < prev) {
+          return bad("cu_seqlens",
+                     "non-decreasing values, cu_seqlens[" + std::to_string(i) + "] >= cu_seqlens[" +
+                         std::to_string(i - 1) + "] = " + std::to_string(prev),
+                     "cu_seqlens[" + std::to_string(i) + "] = " + std::to_string(c));
+        }
+        prev = c;
+      }
+      if (prev != T) {
+        return bad("cu_seqlens", "cu_seqlens[" + std::to_string(N) + "] == T = " + std::to_string(T),
+                   std::to_string(prev));
+      }
+    }
+  }
+
+  // ---- states
+  const bool pooled = p.state_indices.defined();
+  const std::pair<const char*, const TensorRef*> states[] = {{"initial_state", &p.initial_state},
+                                                             {"final_state", &p.final_state}};
+  int64_t P = N;  // rows of the state tensors
+  for (const auto& s : states) {
+    const char* name = s.first;
+    const TensorRef& t = *s.second;
+    if (!t.defined()) continue;
+    FLASHKDA_TRY(check_rank(name, t, 4, pooled ? "[P, H, V, K]" : "[N, H, V, K]"));
+    FLASHKDA_TRY(check_dtype(name, t, {DType::kFloat32, DType::kBFloat16}));
+    if (pooled) {
+      if (t.sizes[0] < 1 || t.sizes[1] != H || t.sizes[2] != V || t.sizes[3] != K) {
+        return bad(name,
+                   "shape [P, " + std::to_string(H) + ", " + std::to_string(V) + ", " + std::to_string(K) +
+                       "] (P >= 1 pool rows, H, V, K) with state_indices",
+                   shape_str(t));
+      }
+    } else {
+      FLASHKDA_TRY(check_shape(name, t, {N, H, V, K}, "(N, H, V, K)"));
+    }
+    FLASHKDA_TRY(check_contiguous(name, t));
+    FLASHKDA_TRY(check_data(name, t));
+    P = t.sizes[0];
+  }
+  if (p.initial_state.defined() && p.final_state.defined()) {
+    const TensorRef& a = p.initial_state;
+    const TensorRef& f = p.final_state;
+    if (f.dtype != a.dtype) {
+      return bad("final_state", std::string("dtype ") + dtype_name(a.dtype) + " (that of initial_state)",
+                 dtype_name(f.dtype));
+    }
+    if (f.sizes[0] != a.sizes[0]) {
+      return bad("final_state", "shape " + shape_str(a) + " (that of initial_state)", shape_str(f));
+    }
+    if (f.data != a.data) {
+      uintptr_t alo, ahi, flo, fhi;
+      byte_range(a, &alo, &ahi);
+      byte_range(f, &flo, &fhi);
+      if (alo < fhi && flo < ahi) {
+        return bad("final_state",
+                   "either the same memory as initial_state (in-place update) or no overlap with it",
+                   "a partial overlap");
+      }
+    }
+  }
+
+  // ---- state_indices
+  if (pooled) {
+    const TensorRef& si = p.state_indices;
+    FLASHKDA_TRY(check_rank("state_indices", si, 1, "[N]"));
+    FLASHKDA_TRY(check_dtype("state_indices", si, {DType::kInt32, DType::kInt64}));
+    FLASHKDA_TRY(check_shape("state_indices", si, {N}, "(N)"));
+    FLASHKDA_TRY(check_contiguous("state_indices", si));
+    FLASHKDA_TRY(check_data("state_indices", si));
+    if (!p.initial_state.defined() && !p.final_state.defined()) {
+      return bad("state_indices", "initial_state or final_state (the state pool) to be given with it",
+                 "neither");
+    }
+    if (si.device == DeviceType::kCPU) {
+      std::unordered_map<int64_t, int64_t> first_use;
+      for (int64_t n = 0; n < N; ++n) {
+        const int64_t idx = read_index(si, n);
+        if (idx < 0) continue;  // padding
+        if (idx >= P) {
+          return bad("state_indices",
+                     "values in [0, " + std::to_string(P) + ") (pool rows) or negative (padding)",
+                     "state_indices[" + std::to_string(n) + "] = " + std::to_string(idx));
+        }
+        auto ins = first_use.emplace(idx, n);
+        if (!ins.second) {
+          return bad("state_indices", "distinct non-negative values (one state slot per sequence)",
+                     "state_indices[" + std::to_string(n) + "] = state_indices[" +
+                         std::to_string(ins.first->second) + "] = " + std::to_string(idx));
+        }
+      }
+    }
+  }
+
+  // ---- has_initial_state
+  if (p.has_initial_state.defined()) {
+    const TensorRef& hs = p.has_initial_state;
+    FLASHKDA_TRY(check_rank("has_initial_state", hs, 1, "[N]"));
+    FLASHKDA_TRY(check_dtype("has_initial_state", hs, {DType::kBool}));
+    FLASHKDA_TRY(check_shape("has_initial_state", hs, {N}, "(N)"));
+    FLASHKDA_TRY(check_contiguous("has_initial_state", hs));
+    FLASHKDA_TRY(check_data("has_initial_state", hs));
+  }
+
+  if (shape) {
+    shape->B = B;
+    shape->T = T;
+    shape->H = H;
+    shape->K = K;
+    shape->V = V;
+    shape->N = N;
+    shape->total_tokens = B * T;
+    shape->varlen = varlen;
+  }
+  return Status::ok_status();
+}
+
+}  // namespace flashkda
