@@ -1,0 +1,306 @@
+// PyTorch binding of the torch-free FlashKDA API: the ops torch.ops.flashkda.*.
+//
+// This is a plain shared library (no pybind): `torch.ops.load_library(path)` runs the static
+// registrations below.  Every op funnels into one function, run_prefill(), that turns the
+// at::Tensors into flashkda::TensorRefs, lets flashkda::can_implement() judge them (so the error
+// names the argument, the expected and the given value), and then calls flashkda::run() on the
+// current stream.  Status codes map onto Python exceptions:
+//   kInvalidArgument -> ValueError, kNotImplemented -> NotImplementedError, others -> RuntimeError.
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Optional.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <string>
+
+#include "flashkda/flashkda.h"
+
+#if defined(FLASHKDA_TORCH_CUDA)
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#endif
+
+namespace flashkda_torch {
+namespace {
+
+using flashkda::DType;
+using flashkda::Status;
+using flashkda::TensorRef;
+
+DType to_dtype(c10::ScalarType t) {
+  switch (t) {
+    case c10::ScalarType::BFloat16:
+      return DType::kBFloat16;
+    case c10::ScalarType::Half:
+      return DType::kFloat16;
+    case c10::ScalarType::Float:
+      return DType::kFloat32;
+    case c10::ScalarType::Double:
+      return DType::kFloat64;
+    case c10::ScalarType::Int:
+      return DType::kInt32;
+    case c10::ScalarType::Long:
+      return DType::kInt64;
+    case c10::ScalarType::Bool:
+      return DType::kBool;
+    default:
+      return DType::kOther;
+  }
+}
+
+// Describes `t` (named `name` in errors).  A tensor the TensorRef cannot describe at all (rank
+// above kMaxRank, a device other than CPU/CUDA) is reported here; everything else is judged by
+// flashkda::can_implement.
+TensorRef to_ref(const at::Tensor& t, const char* name) {
+  TensorRef r;
+  if (!t.defined()) return r;  // ndim = -1: "not given"
+  TORCH_CHECK_VALUE(t.dim() <= flashkda::kMaxRank, "flashkda: argument '", name, "': expected at most ",
+                    flashkda::kMaxRank, " dimensions, got ", t.dim(), " (shape ", t.sizes(), ")");
+  TORCH_CHECK_VALUE(t.device().is_cpu() || t.device().is_cuda(), "flashkda: argument '", name,
+                    "': expected a CPU or CUDA tensor, got one on ", t.device());
+  r.data = t.numel() > 0 ? t.data_ptr() : nullptr;
+  r.dtype = to_dtype(t.scalar_type());
+  r.ndim = static_cast<int>(t.dim());
+  for (int i = 0; i < r.ndim; ++i) {
+    r.sizes[i] = t.size(i);
+    r.strides[i] = t.stride(i);
+  }
+  r.device = t.device().is_cuda() ? flashkda::DeviceType::kCUDA : flashkda::DeviceType::kCPU;
+  r.device_index = t.device().is_cuda() ? t.device().index() : 0;
+  return r;
+}
+
+TensorRef to_ref(const c10::optional<at::Tensor>& t, const char* name) {
+  return t.has_value() ? to_ref(*t, name) : TensorRef{};
+}
+
+void throw_status(const Status& s) {
+  switch (s.code) {
+    case Status::Code::kOk:
+      return;
+    case Status::Code::kInvalidArgument:
+      TORCH_CHECK_VALUE(false, s.message);
+    case Status::Code::kNotImplemented:
+      TORCH_CHECK_NOT_IMPLEMENTED(false, s.message);
+    default:
+      TORCH_CHECK(false, s.message);
+  }
+}
+
+flashkda::GateMode parse_gate_mode(c10::string_view mode) {
+  if (mode == "bounded") return flashkda::GateMode::kBounded;
+  if (mode == "softplus") return flashkda::GateMode::kSoftplus;
+  if (mode == "precomputed") return flashkda::GateMode::kPrecomputed;
+  TORCH_CHECK_VALUE(false, "flashkda: argument 'gate_mode': expected one of 'bounded', 'softplus', ",
+                    "'precomputed', got '", std::string(mode.data(), mode.size()), "'");
+  return flashkda::GateMode::kBounded;
+}
+
+struct Options {
+  flashkda::GateMode gate_mode = flashkda::GateMode::kBounded;
+  bool use_qk_l2norm = true;
+  bool use_beta_sigmoid = true;
+  double scale = 0.0;
+  double lower_bound = -5.0;
+};
+
+// The one path every op takes.
+void run_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                 const at::Tensor& beta, const at::Tensor& out, const at::Tensor& workspace,
+                 const c10::optional<at::Tensor>& A_log, const c10::optional<at::Tensor>& dt_bias,
+                 const c10::optional<at::Tensor>& initial_state, const c10::optional<at::Tensor>& final_state,
+                 const c10::optional<at::Tensor>& cu_seqlens, const c10::optional<at::Tensor>& state_indices,
+                 const c10::optional<at::Tensor>& has_initial_state, const Options& opt) {
+  flashkda::PrefillParams p;
+  p.q = to_ref(q, "q");
+  p.k = to_ref(k, "k");
+  p.v = to_ref(v, "v");
+  p.g = to_ref(g, "g");
+  p.beta = to_ref(beta, "beta");
+  p.A_log = to_ref(A_log, "A_log");
+  p.dt_bias = to_ref(dt_bias, "dt_bias");
+  p.out = to_ref(out, "out");
+  p.initial_state = to_ref(initial_state, "initial_state");
+  p.final_state = to_ref(final_state, "final_state");
+  p.cu_seqlens = to_ref(cu_seqlens, "cu_seqlens");
+  p.state_indices = to_ref(state_indices, "state_indices");
+  p.has_initial_state = to_ref(has_initial_state, "has_initial_state");
+  p.gate_mode = opt.gate_mode;
+  p.use_qk_l2norm = opt.use_qk_l2norm;
+  p.use_beta_sigmoid = opt.use_beta_sigmoid;
+  p.scale = static_cast<float>(opt.scale);
+  p.lower_bound = static_cast<float>(opt.lower_bound);
+
+  flashkda::ProblemShape shape;
+  throw_status(flashkda::can_implement(p, &shape));
+
+  // The workspace: any dtype, contiguous, on q's device, at least workspace_size() bytes.  CPU calls
+  // need none and may pass an empty tensor.
+  void* ws_ptr = nullptr;
+  size_t ws_bytes = 0;
+  if (workspace.defined() && workspace.numel() > 0) {
+    TORCH_CHECK_VALUE(workspace.device() == q.device(),
+                      "flashkda: argument 'workspace': expected a tensor on ", q.device(),
+                      " (the device of q), got one on ", workspace.device());
+    TORCH_CHECK_VALUE(workspace.is_contiguous(),
+                      "flashkda: argument 'workspace': expected a contiguous tensor, ", "got strides ",
+                      workspace.strides());
+    ws_ptr = workspace.data_ptr();
+    ws_bytes = static_cast<size_t>(workspace.numel()) * workspace.element_size();
+  }
+  flashkda::Stream stream = nullptr;
+  if (q.is_cuda()) {
+    const size_t need = flashkda::workspace_size(shape.total_tokens, shape.H, shape.N, shape.K);
+    TORCH_CHECK_VALUE(ws_bytes >= need, "flashkda: argument 'workspace': expected at least ", need,
+                      " bytes on ", q.device(), " (flashkda.get_workspace_size), got ", ws_bytes, " bytes");
+#if defined(FLASHKDA_TORCH_CUDA)
+    stream = reinterpret_cast<flashkda::Stream>(c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
+#endif
+  }
+  throw_status(flashkda::run(p, ws_ptr, ws_bytes, stream));
+}
+
+// fwd: the fused "Kimi" configuration (bounded gate, q/k l2norm, beta sigmoid).
+void fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+              const at::Tensor& beta, double scale, const at::Tensor& out, const at::Tensor& workspace,
+              const at::Tensor& A_log, const at::Tensor& dt_bias, double lower_bound,
+              const c10::optional<at::Tensor>& initial_state, const c10::optional<at::Tensor>& final_state,
+              const c10::optional<at::Tensor>& cu_seqlens) {
+  Options opt;
+  opt.gate_mode = flashkda::GateMode::kBounded;
+  opt.use_qk_l2norm = true;
+  opt.use_beta_sigmoid = true;
+  opt.scale = scale;
+  opt.lower_bound = lower_bound;
+  run_prefill(q, k, v, g, beta, out, workspace, A_log, dt_bias, initial_state, final_state, cu_seqlens,
+              c10::nullopt, c10::nullopt, opt);
+}
+
+void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                  const at::Tensor& beta, const at::Tensor& out, const at::Tensor& workspace, double scale,
+                  c10::string_view gate_mode, const c10::optional<at::Tensor>& A_log,
+                  const c10::optional<at::Tensor>& dt_bias, double lower_bound, bool use_qk_l2norm,
+                  bool use_beta_sigmoid, const c10::optional<at::Tensor>& initial_state,
+                  const c10::optional<at::Tensor>& final_state, const c10::optional<at::Tensor>& cu_seqlens,
+                  const c10::optional<at::Tensor>& state_indices,
+                  const c10::optional<at::Tensor>& has_initial_state) {
+  Options opt;
+  opt.gate_mode = parse_gate_mode(gate_mode);
+  opt.use_qk_l2norm = use_qk_l2norm;
+  opt.use_beta_sigmoid = use_beta_sigmoid;
+  opt.scale = scale;
+  opt.lower_bound = lower_bound;
+  run_prefill(q, k, v, g, beta, out, workspace, A_log, dt_bias, initial_state, final_state, cu_seqlens,
+              state_indices, has_initial_state, opt);
+}
+
+int64_t get_workspace_size(int64_t T_total, int64_t H, int64_t N) {
+  TORCH_CHECK_VALUE(T_total >= 0, "flashkda: argument 'T_total': expected >= 0, got ", T_total);
+  TORCH_CHECK_VALUE(H >= 1, "flashkda: argument 'H': expected >= 1, got ", H);
+  TORCH_CHECK_VALUE(N >= 1, "flashkda: argument 'N': expected >= 1, got ", N);
+  // The head dim is not known here: size for the largest one supported (128).
+  return static_cast<int64_t>(flashkda::workspace_size(T_total, H, N, 128));
+}
+
+// Debugging aid: the device-side input error recorded in `workspace` by the last CUDA call that used
+// it (0 = none, 1 = bad cu_seqlens, 2 = bad state index).  Synchronises the current stream.
+int64_t read_device_error_cpu(const at::Tensor& workspace) {
+  (void)workspace;
+  return 0;  // CPU calls validate every value on the host before writing anything.
+}
+
+void clear_device_error_cpu(const at::Tensor& workspace) { (void)workspace; }
+
+#if defined(FLASHKDA_TORCH_CUDA)
+int64_t read_device_error_cuda(const at::Tensor& workspace) {
+  TORCH_CHECK_VALUE(workspace.is_cuda() && workspace.numel() > 0,
+                    "flashkda: argument 'workspace': expected a non-empty CUDA tensor");
+  const c10::cuda::CUDAGuard guard(workspace.device());
+  auto stream = reinterpret_cast<flashkda::Stream>(
+      c10::cuda::getCurrentCUDAStream(workspace.device().index()).stream());
+  flashkda::DeviceError err = flashkda::DeviceError::kNone;
+  throw_status(flashkda::read_device_error(workspace.data_ptr(), stream, &err));
+  return static_cast<int64_t>(err);
+}
+
+void clear_device_error_cuda(const at::Tensor& workspace) {
+  TORCH_CHECK_VALUE(workspace.is_cuda() && workspace.numel() > 0,
+                    "flashkda: argument 'workspace': expected a non-empty CUDA tensor");
+  const c10::cuda::CUDAGuard guard(workspace.device());
+  auto stream = reinterpret_cast<flashkda::Stream>(
+      c10::cuda::getCurrentCUDAStream(workspace.device().index()).stream());
+  throw_status(flashkda::clear_device_error(workspace.data_ptr(), stream));
+}
+
+void fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+              const at::Tensor& beta, double scale, const at::Tensor& out, const at::Tensor& workspace,
+              const at::Tensor& A_log, const at::Tensor& dt_bias, double lower_bound,
+              const c10::optional<at::Tensor>& initial_state, const c10::optional<at::Tensor>& final_state,
+              const c10::optional<at::Tensor>& cu_seqlens) {
+  // A CPU q with some CUDA argument also lands here: can_implement reports the device mismatch.
+  c10::optional<c10::cuda::CUDAGuard> guard;
+  if (q.is_cuda()) guard.emplace(q.device());
+  fwd_impl(q, k, v, g, beta, scale, out, workspace, A_log, dt_bias, lower_bound, initial_state, final_state,
+           cu_seqlens);
+}
+
+void prefill_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                  const at::Tensor& beta, const at::Tensor& out, const at::Tensor& workspace, double scale,
+                  c10::string_view gate_mode, const c10::optional<at::Tensor>& A_log,
+                  const c10::optional<at::Tensor>& dt_bias, double lower_bound, bool use_qk_l2norm,
+                  bool use_beta_sigmoid, const c10::optional<at::Tensor>& initial_state,
+                  const c10::optional<at::Tensor>& final_state, const c10::optional<at::Tensor>& cu_seqlens,
+                  const c10::optional<at::Tensor>& state_indices,
+                  const c10::optional<at::Tensor>& has_initial_state) {
+  c10::optional<c10::cuda::CUDAGuard> guard;
+  if (q.is_cuda()) guard.emplace(q.device());
+  prefill_impl(q, k, v, g, beta, out, workspace, scale, gate_mode, A_log, dt_bias, lower_bound, use_qk_l2norm,
+               use_beta_sigmoid, initial_state, final_state, cu_seqlens, state_indices, has_initial_state);
+}
+#endif
+
+bool built_with_cuda() {
+#if defined(FLASHKDA_TORCH_CUDA)
+  return flashkda::built_with_cuda();
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+}  // namespace flashkda_torch
+
+TORCH_LIBRARY(flashkda, m) {
+  m.def(
+      "fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, Tensor(a!) out, "
+      "Tensor(c!) workspace, Tensor A_log, Tensor dt_bias, float lower_bound, Tensor? initial_state=None, "
+      "Tensor(b!)? final_state=None, Tensor? cu_seqlens=None) -> ()");
+  m.def("get_workspace_size(int T_total, int H, int N=1) -> int", &flashkda_torch::get_workspace_size);
+  m.def(
+      "prefill(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) out, Tensor(c!) workspace, *, "
+      "float scale=0.0, str gate_mode=\"bounded\", Tensor? A_log=None, Tensor? dt_bias=None, "
+      "float lower_bound=-5.0, bool use_qk_l2norm=True, bool use_beta_sigmoid=True, "
+      "Tensor? initial_state=None, Tensor(b!)? final_state=None, Tensor? cu_seqlens=None, "
+      "Tensor? state_indices=None, Tensor? has_initial_state=None) -> ()");
+  m.def("read_device_error(Tensor workspace) -> int");
+  m.def("clear_device_error(Tensor(a!) workspace) -> ()");
+  m.def("built_with_cuda() -> bool", &flashkda_torch::built_with_cuda);
+}
+
+TORCH_LIBRARY_IMPL(flashkda, CPU, m) {
+  m.impl("fwd", &flashkda_torch::fwd_impl);
+  m.impl("prefill", &flashkda_torch::prefill_impl);
+  m.impl("read_device_error", &flashkda_torch::read_device_error_cpu);
+  m.impl("clear_device_error", &flashkda_torch::clear_device_error_cpu);
+}
+
+#if defined(FLASHKDA_TORCH_CUDA)
+TORCH_LIBRARY_IMPL(flashkda, CUDA, m) {
+  m.impl("fwd", &flashkda_torch::fwd_cuda);
+  m.impl("prefill", &flashkda_torch::prefill_cuda);
+  m.impl("read_device_error", &flashkda_torch::read_device_error_cuda);
+  m.impl("clear_device_error", &flashkda_torch::clear_device_error_cuda);
+}
+#endif

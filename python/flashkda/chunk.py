@@ -1,0 +1,200 @@
+"""``flashkda.chunk_kda``: a drop-in for the forward of fla's ``fla.ops.kda.chunk_kda``.
+
+Same arguments, same positional order and the same return value ``(o, final_state)`` as fla's
+function, computed by ``torch.ops.flashkda.prefill``.  What maps how:
+
+* ``use_gate_in_kernel=False``: ``g`` is the log decay, used as is (gate mode "precomputed").
+* ``use_gate_in_kernel=True``: ``g`` is the raw gate input.  With ``lower_bound`` given the gate is
+  the bounded one, ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))`` (fla's ``safe_gate`` path;
+  ``A_log=None`` means ``exp(A_log) = 1``); otherwise ``-exp(A_log) * softplus(g + dt_bias)``.
+  ``dt_bias=None`` means no bias.
+* ``use_qk_l2norm_in_kernel`` / ``use_beta_sigmoid_in_kernel``: fused l2norm of q, k / sigmoid of
+  beta; otherwise q, k and beta are used as given.
+* States: fla's default layout ``[N, H, K, V]``, or ``[N, H, V, K]`` with ``state_v_first=True``
+  (the kernels' own layout: no transposes).  The final state is returned in fp32.
+
+Inference only: anything this path cannot compute (backward, grouped value heads, dtypes other
+than bf16 for q/k/v, context parallelism, intermediate states, unknown keyword arguments) raises
+``NotImplementedError``; argument errors raise ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional, Tuple
+
+import torch
+
+from .ops import _check_no_grad, new_workspace
+
+__all__ = ["chunk_kda"]
+
+Tensor = torch.Tensor
+
+# Keyword arguments of fla's chunk_kda that do not change the forward math here.
+_IGNORED_FLA_KWARGS = ("chunk_size",)
+
+
+def _rows_contiguous(x: Tensor) -> Tensor:
+    """x with a contiguous [H, D] block per token (any token/batch stride is read in place)."""
+    if x.dim() == 4:
+        if x.stride(-1) == 1 and (x.shape[-2] <= 1 or x.stride(-2) == x.shape[-1]):
+            return x
+        return x.contiguous()
+    if x.dim() == 3:
+        return x if (x.stride(-1) == 1 or x.shape[-1] <= 1) else x.contiguous()
+    return x
+
+
+def chunk_kda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[Tensor] = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: Optional[float] = None,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: Optional[Tensor] = None,
+    cu_seqlens_cpu: Optional[Tensor] = None,
+    cp_context=None,
+    use_graph: bool = False,
+    max_num_seqs: Optional[int] = None,
+    *,
+    A_log: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+    **kwargs,
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """KDA prefill, fla-compatible: returns ``(o [B, T, H, V] bf16, final_state or None)``.
+
+    q, k ``[B, T, H, K]`` and v ``[B, T, H, V]`` bf16 with K = V in {64, 128}; g ``[B, T, H, K]``;
+    beta ``[B, T, H]``; ``initial_state`` ``[N, H, K, V]`` (``[N, H, V, K]`` if ``state_v_first``);
+    ``cu_seqlens [N + 1]`` for varlen inputs (then B == 1).  ``A_log [H]`` and ``dt_bias [H * K]``
+    feed the fused gate (``use_gate_in_kernel=True``).  See the module docstring for the mapping.
+    ``disable_recompute``, ``cu_seqlens_cpu``, ``use_graph`` and ``max_num_seqs`` are accepted and
+    have no effect: this path never synchronises the host and is CUDA-graph safe as it is.
+    """
+    if "transpose_state_layout" in kwargs:
+        if state_v_first:
+            raise ValueError("flashkda.chunk_kda: pass either 'state_v_first' or the deprecated "
+                             "'transpose_state_layout', not both")
+        warnings.warn("'transpose_state_layout' is deprecated, use 'state_v_first'", DeprecationWarning,
+                      stacklevel=2)
+        state_v_first = bool(kwargs.pop("transpose_state_layout"))
+    chunk_size = kwargs.pop("chunk_size", 64)
+    if chunk_size not in (32, 64):
+        raise ValueError(f"flashkda.chunk_kda: argument 'chunk_size' must be 32 or 64, got {chunk_size}")
+    if kwargs:
+        raise NotImplementedError(
+            f"flashkda.chunk_kda: unsupported keyword argument(s) {sorted(kwargs)}; flashkda serves fla's "
+            "chunk_kda forward without them")
+
+    _check_no_grad("chunk_kda", q, k, v, g, beta, A_log, dt_bias, initial_state)
+    if return_intermediate_states:
+        raise NotImplementedError("flashkda.chunk_kda: argument 'return_intermediate_states=True' is not "
+                                  "implemented (the kernels keep no per-chunk states)")
+    if cp_context is not None:
+        raise NotImplementedError("flashkda.chunk_kda: argument 'cp_context' (context parallelism across "
+                                  "devices) is not implemented")
+    if q.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"flashkda.chunk_kda: arguments 'q' and 'v' must be 4-D [B, T, H, D], got "
+                         f"q {tuple(q.shape)}, v {tuple(v.shape)}")
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    if HV != H:
+        raise NotImplementedError(f"flashkda.chunk_kda: argument 'v': grouped value heads (HV={HV} != H={H}) "
+                                  "are not implemented")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype != torch.bfloat16:
+            raise NotImplementedError(f"flashkda.chunk_kda: argument '{name}': only bfloat16 is implemented, "
+                                      f"got {t.dtype}")
+
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"flashkda.chunk_kda: argument 'q': the batch size must be 1 with cu_seqlens "
+                             f"(flatten varlen inputs), got {B}")
+        N = cu_seqlens.shape[0] - 1
+    else:
+        N = B
+    if initial_state is not None and initial_state.shape[0] != N:
+        raise ValueError(f"flashkda.chunk_kda: argument 'initial_state': expected {N} states (one per "
+                         f"sequence), got {initial_state.shape[0]}")
+
+    # Gate.
+    A_log_t = dt_bias_t = None
+    lb = -5.0
+    if not use_gate_in_kernel:
+        gate_mode = "precomputed"
+    else:
+        if safe_gate:
+            if lower_bound is None:
+                raise ValueError("flashkda.chunk_kda: argument 'lower_bound' must be given when "
+                                 "safe_gate=True and use_gate_in_kernel=True")
+            if not (-5.0 <= lower_bound < 0.0):
+                raise ValueError(f"flashkda.chunk_kda: argument 'lower_bound' must be in [-5, 0), got "
+                                 f"{lower_bound}")
+        if lower_bound is not None:
+            gate_mode, lb = "bounded", float(lower_bound)
+        else:
+            if A_log is None:
+                raise ValueError("flashkda.chunk_kda: argument 'A_log' must be given when "
+                                 "use_gate_in_kernel=True and lower_bound is not set")
+            gate_mode = "softplus"
+        if A_log is None:  # bounded gate without A_log: exp(A_log) = 1
+            A_log_t = torch.zeros(H, dtype=torch.float32, device=q.device)
+        else:
+            A_log_t = A_log.to(dtype=torch.float32)
+        if dt_bias is None:
+            dt_bias_t = torch.zeros(H, K, dtype=torch.float32, device=q.device)
+        else:
+            dt_bias_t = dt_bias.to(dtype=torch.float32)
+
+    # Beta.
+    use_beta_sigmoid = bool(use_beta_sigmoid_in_kernel)
+    if allow_neg_eigval:
+        if not use_beta_sigmoid_in_kernel:
+            raise ValueError("flashkda.chunk_kda: argument 'allow_neg_eigval=True' requires "
+                             "use_beta_sigmoid_in_kernel=True")
+        beta = 2.0 * torch.sigmoid(beta.float())  # beta in [0, 2), already activated
+        use_beta_sigmoid = False
+    if beta.dtype not in (torch.bfloat16, torch.float32):
+        beta = beta.float()
+    if g.dtype not in (torch.bfloat16, torch.float32):
+        g = g.float()
+
+    # States: the kernels' layout is V-first [N, H, V, K], contiguous.
+    h0 = None
+    if initial_state is not None:
+        h0 = initial_state.contiguous() if state_v_first else initial_state.transpose(-1, -2).contiguous()
+    ht = None
+    if output_final_state:
+        ht = torch.empty(N, H, v.shape[-1], K, dtype=torch.float32, device=q.device)
+
+    q, k, v, g, beta = (_rows_contiguous(t) for t in (q, k, v, g, beta))
+    out = torch.empty(v.shape, dtype=torch.bfloat16, device=q.device)
+    workspace = new_workspace(q, cu_seqlens)
+    torch.ops.flashkda.prefill(
+        q, k, v, g, beta, out, workspace,
+        scale=0.0 if scale is None else float(scale),
+        gate_mode=gate_mode,
+        A_log=A_log_t,
+        dt_bias=dt_bias_t,
+        lower_bound=lb,
+        use_qk_l2norm=bool(use_qk_l2norm_in_kernel),
+        use_beta_sigmoid=use_beta_sigmoid,
+        initial_state=h0,
+        final_state=ht,
+        cu_seqlens=cu_seqlens,
+    )
+    if ht is not None and not state_v_first:
+        ht = ht.transpose(-1, -2).contiguous()
+    return out, ht

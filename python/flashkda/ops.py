@@ -1,0 +1,209 @@
+"""Python side of the ops ``torch.ops.flashkda.*``: fake (meta) kernels and convenience wrappers.
+
+The ops themselves are registered by the C++ library (csrc/torch/flashkda_ops.cpp):
+
+* ``fwd``: the fused "Kimi" configuration (bounded gate, q/k l2norm, beta sigmoid);
+* ``prefill``: every gate mode and flag, varlen, state pools (``state_indices``);
+* ``get_workspace_size``: bytes of workspace a CUDA call needs.
+
+They write into caller-provided ``out`` / ``final_state`` / ``workspace`` and return nothing, so
+they allocate nothing, never synchronise the host, and can be captured in CUDA graphs and traced by
+``torch.compile`` (the fake kernels below do nothing).  The wrappers here allocate what is not
+given and return ``out``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+__all__ = [
+    "fwd",
+    "prefill",
+    "get_workspace_size",
+    "new_workspace",
+    "read_device_error",
+    "clear_device_error",
+    "DEVICE_ERRORS",
+]
+
+Tensor = torch.Tensor
+
+# Codes of the device-side input errors a CUDA call records in its workspace (flashkda::DeviceError).
+DEVICE_ERRORS = {
+    0: "none",
+    1: "cu_seqlens is not non-decreasing from 0 to the token count",
+    2: "state_indices holds a value outside [0, P) (negative = padding)",
+}
+
+
+@torch.library.register_fake("flashkda::fwd")
+def _fwd_fake(q, k, v, g, beta, scale, out, workspace, A_log, dt_bias, lower_bound, initial_state=None,
+              final_state=None, cu_seqlens=None):
+    return None
+
+
+@torch.library.register_fake("flashkda::prefill")
+def _prefill_fake(q, k, v, g, beta, out, workspace, *, scale=0.0, gate_mode="bounded", A_log=None,
+                  dt_bias=None, lower_bound=-5.0, use_qk_l2norm=True, use_beta_sigmoid=True,
+                  initial_state=None, final_state=None, cu_seqlens=None, state_indices=None,
+                  has_initial_state=None):
+    return None
+
+
+@torch.library.register_fake("flashkda::clear_device_error")
+def _clear_device_error_fake(workspace):
+    return None
+
+
+def _check_no_grad(fn: str, *tensors) -> None:
+    if not torch.is_grad_enabled():
+        return
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise NotImplementedError(
+                f"flashkda: backward is not implemented (flashkda.{fn} is inference-only, and an input "
+                "requires grad); call it under torch.no_grad() or torch.inference_mode(), or detach the inputs"
+            )
+
+
+def get_workspace_size(T_total: int, H: int, N: int = 1) -> int:
+    """Bytes of workspace a CUDA call over ``T_total`` tokens, ``H`` heads and ``N`` sequences needs.
+
+    Depends only on these sizes, so an engine can size one buffer for its largest step and reuse it.
+    CPU calls need none.
+    """
+    return int(torch.ops.flashkda.get_workspace_size(int(T_total), int(H), max(int(N), 1)))
+
+
+def _problem_sizes(q: Tensor, cu_seqlens: Optional[Tensor]):
+    if q.dim() != 4:  # let the op report the bad shape
+        return 1, 1, 1
+    B, T, H = q.shape[0], q.shape[1], q.shape[2]
+    N = cu_seqlens.shape[0] - 1 if cu_seqlens is not None and cu_seqlens.dim() == 1 else B
+    return B * T, H, max(N, 1)
+
+
+def new_workspace(q: Tensor, cu_seqlens: Optional[Tensor] = None) -> Tensor:
+    """A workspace for a call on ``q``: empty on CPU, ``get_workspace_size`` bytes on CUDA.
+
+    Its contents need no initialisation: each CUDA call clears the error word itself.
+    """
+    if q.device.type != "cuda":
+        return torch.empty(0, dtype=torch.uint8, device=q.device)
+    T_total, H, N = _problem_sizes(q, cu_seqlens)
+    return torch.empty(get_workspace_size(T_total, H, N), dtype=torch.uint8, device=q.device)
+
+
+def _new_out(q: Tensor, v: Tensor) -> Tensor:
+    return torch.empty(v.shape, dtype=torch.bfloat16, device=q.device)
+
+
+def fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: Optional[float] = None,
+    out: Optional[Tensor] = None,
+    workspace: Optional[Tensor] = None,
+    A_log: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+    lower_bound: float = -5.0,
+    initial_state: Optional[Tensor] = None,
+    final_state: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
+) -> Tensor:
+    """KDA prefill in the fused Kimi configuration; returns ``out`` ``[B, T, H, V]`` bf16.
+
+    q, k, v bf16 ``[B, T, H, D]`` (raw q/k: l2norm is fused), g ``[B, T, H, K]`` raw gate input
+    (bounded gate ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``), beta ``[B, T, H]`` logits
+    (sigmoid fused), A_log ``[H]`` fp32, dt_bias ``[H, K]`` fp32.  States are V-first
+    ``[N, H, V, K]`` fp32 or bf16; ``final_state`` (written in place) may be ``initial_state``.
+    ``out`` and ``workspace`` are allocated when not given.
+    """
+    _check_no_grad("fwd", q, k, v, g, beta, A_log, dt_bias, initial_state)
+    if A_log is None:
+        raise ValueError("flashkda.fwd: argument 'A_log' is required (fp32 [H]) by the bounded gate")
+    if dt_bias is None:
+        raise ValueError("flashkda.fwd: argument 'dt_bias' is required (fp32 [H, K]) by the bounded gate")
+    if scale is None:
+        scale = 0.0  # the op's "default": K ** -0.5
+    if out is None:
+        out = _new_out(q, v)
+    if workspace is None:
+        workspace = new_workspace(q, cu_seqlens)
+    torch.ops.flashkda.fwd(q, k, v, g, beta, float(scale), out, workspace, A_log, dt_bias, float(lower_bound),
+                           initial_state, final_state, cu_seqlens)
+    return out
+
+
+def prefill(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    out: Optional[Tensor] = None,
+    workspace: Optional[Tensor] = None,
+    *,
+    scale: Optional[float] = None,
+    gate_mode: str = "bounded",
+    A_log: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+    lower_bound: float = -5.0,
+    use_qk_l2norm: bool = True,
+    use_beta_sigmoid: bool = True,
+    initial_state: Optional[Tensor] = None,
+    final_state: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
+    state_indices: Optional[Tensor] = None,
+    has_initial_state: Optional[Tensor] = None,
+) -> Tensor:
+    """The general KDA prefill (``torch.ops.flashkda.prefill``); returns ``out``.
+
+    gate_mode: ``"bounded"`` (needs A_log, dt_bias, lower_bound), ``"softplus"`` (needs A_log,
+    dt_bias) or ``"precomputed"`` (g is the log decay).  ``use_qk_l2norm`` / ``use_beta_sigmoid``
+    switch the fused preprocessing.  With ``state_indices [N]`` the states are a pool
+    ``[P, H, V, K]`` and sequence n uses row ``state_indices[n]`` (negative: padded sequence);
+    ``has_initial_state [N]`` bool starts the sequences marked False from zeros.
+    """
+    _check_no_grad("prefill", q, k, v, g, beta, A_log, dt_bias, initial_state)
+    if out is None:
+        out = _new_out(q, v)
+    if workspace is None:
+        workspace = new_workspace(q, cu_seqlens)
+    torch.ops.flashkda.prefill(
+        q, k, v, g, beta, out, workspace,
+        scale=0.0 if scale is None else float(scale),
+        gate_mode=gate_mode,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=float(lower_bound),
+        use_qk_l2norm=bool(use_qk_l2norm),
+        use_beta_sigmoid=bool(use_beta_sigmoid),
+        initial_state=initial_state,
+        final_state=final_state,
+        cu_seqlens=cu_seqlens,
+        state_indices=state_indices,
+        has_initial_state=has_initial_state,
+    )
+    return out
+
+
+def read_device_error(workspace: Tensor) -> int:
+    """The device-side input error recorded in ``workspace`` by the last CUDA call that used it.
+
+    0 means none (see :data:`DEVICE_ERRORS`).  On CUDA the kernels check the values of cu_seqlens and
+    state_indices themselves; on a bad value they write nothing and record the code here.  This
+    synchronises the current stream: a debugging aid, not for hot paths.  CPU calls always give 0
+    (the host checks every value before writing).
+    """
+    return int(torch.ops.flashkda.read_device_error(workspace))
+
+
+def clear_device_error(workspace: Tensor) -> None:
+    """Resets the error word of ``workspace`` (asynchronously, on the current stream)."""
+    torch.ops.flashkda.clear_device_error(workspace)

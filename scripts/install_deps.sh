@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Installs what building and testing FlashKDA needs on a fresh Debian/Ubuntu machine, only where
+# missing: a C++ compiler, python3 + pip, GoogleTest, then the pinned Python packages of
+# requirements.txt (torch, numpy, pytest, scikit-build-core, cmake, ninja).  Sourced by
+# scripts/test.sh and scripts/demo.sh; safe to run again (it installs nothing twice).
+set -euo pipefail
+
+flashkda_install_deps() {
+  local root
+  root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+  local want_gtest="${1:-1}"
+  local pkgs=()
+  command -v g++ >/dev/null 2>&1 || pkgs+=(g++)
+  command -v python3 >/dev/null 2>&1 || pkgs+=(python3)
+  python3 -m pip --version >/dev/null 2>&1 || pkgs+=(python3-pip)
+  if [ "$want_gtest" = 1 ] && [ ! -f /usr/include/gtest/gtest.h ] && [ ! -f /usr/local/include/gtest/gtest.h ]; then
+    pkgs+=(libgtest-dev)
+  fi
+  if [ ${#pkgs[@]} -gt 0 ]; then
+    local sudo=""
+    [ "$(id -u)" -ne 0 ] && sudo="sudo"
+    echo "flashkda: apt-get install ${pkgs[*]}"
+    $sudo apt-get update -q
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q "${pkgs[@]}"
+  fi
+  # Debian's system python refuses pip installs without this; a venv/pyenv python ignores it.
+  export PIP_BREAK_SYSTEM_PACKAGES=1
+  python3 -m pip install -q --disable-pip-version-check -r "$root/requirements.txt"
+  # cmake and ninja come from pip above; fall back to Debian's if they are still not on PATH.
+  pkgs=()
+  command -v cmake >/dev/null 2>&1 || pkgs+=(cmake)
+  command -v ninja >/dev/null 2>&1 || pkgs+=(ninja-build)
+  if [ ${#pkgs[@]} -gt 0 ]; then
+    local sudo=""
+    [ "$(id -u)" -ne 0 ] && sudo="sudo"
+    $sudo apt-get update -q
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q "${pkgs[@]}"
+  fi
+  # nvcc outside PATH (the usual /usr/local/cuda): let CMake find it.
+  if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
+    export CUDACXX=/usr/local/cuda/bin/nvcc
+  fi
+}

@@ -1,0 +1,269 @@
+"""The sm90 CUDA kernels against the float64 reference (kda_spec.md section 6).
+
+Skipped unless a CUDA GPU of compute capability >= 9.0 is present.  Inputs are fresh random values
+each run (the seed is in every failure message); outputs are poisoned with NaN first, so every
+element must be written and finite.  The float64 reference runs on the GPU (a token loop over all
+sequences and heads at once).
+"""
+
+import os
+
+import pytest
+import torch
+
+import flashkda
+from flashkda import reference as R
+from kda_helpers import BF16, make_inputs, op_kwargs, rel_err
+
+
+def _sm90():
+    # The kernels are built for sm_90a, which runs on compute capability 9.0 exactly (H100/H200/H20).
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not _sm90(), reason="needs a CUDA GPU of compute capability 9.0 (sm_90a kernels)")]
+
+DEV = "cuda"
+SPEC_OUT, SPEC_STATE = 4e-3, 3e-3  # required at the bounded gate, lower_bound -5
+# Other modes and bf16 states: the same kernels plus one bf16 rounding of the state.
+LOOSE_OUT, LOOSE_STATE = 1e-2, 1e-2
+LENGTHS = [0, 1, 15, 16, 17, 63, 64, 65, 1000]
+
+
+@pytest.fixture
+def gen():
+    seed = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
+    g = torch.Generator().manual_seed(seed)
+    g.seed_value = seed
+    return g
+
+
+def poisoned_outputs(inp, P=None):
+    out = torch.full(inp["v"].shape, float("nan"), dtype=BF16, device=DEV)
+    rows = inp["N"] if P is None else P
+    fs = torch.full((rows, inp["H"], inp["D"], inp["D"]), float("nan"), dtype=inp["state_dtype"], device=DEV)
+    return out, fs
+
+
+def run(inp, out, fs, workspace=None, **extra):
+    return flashkda.prefill(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], out, workspace,
+                            **op_kwargs(inp), final_state=fs, **extra)
+
+
+def judge(gen, inp, out, fs, out_tol, state_tol, **ref_kw):
+    torch.cuda.synchronize()
+    assert torch.isfinite(out.float()).all(), f"seed {gen.seed_value}: out has NaN/Inf (unwritten?)"
+    assert torch.isfinite(fs.float()).all(), f"seed {gen.seed_value}: final_state has NaN/Inf (unwritten?)"
+    ref_out, ref_fs = R.prefill(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], **op_kwargs(inp), **ref_kw)
+    eo, es = rel_err(out, ref_out), rel_err(fs, ref_fs)
+    assert eo <= out_tol, f"seed {gen.seed_value}: out rel {eo:.3e} > {out_tol}"
+    assert es <= state_tol, f"seed {gen.seed_value}: final_state rel {es:.3e} > {state_tol}"
+    return eo, es
+
+
+def test_built_with_cuda():
+    assert flashkda.built_with_cuda(), "a GPU is present but the op library was built without the CUDA kernels"
+
+
+def test_spec_case(gen):
+    """kda_spec.md section 6: varlen [300, 17, 64, 131], H = 4, D = 128, fp32 h0."""
+    inp = make_inputs([300, 17, 64, 131], H=4, D=128, device=DEV, generator=gen)
+    out, fs = poisoned_outputs(inp)
+    flashkda.fwd(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], out=out, A_log=inp["A_log"],
+                 dt_bias=inp["dt_bias"], initial_state=inp["initial_state"], final_state=fs,
+                 cu_seqlens=inp["cu_seqlens"])
+    judge(gen, inp, out, fs, SPEC_OUT, SPEC_STATE)
+
+
+@pytest.mark.parametrize("H", [1, 4, 16, 96])
+def test_lengths_and_heads(gen, H):
+    inp = make_inputs(LENGTHS, H=H, D=128, device=DEV, generator=gen)
+    out, fs = poisoned_outputs(inp)
+    run(inp, out, fs)
+    judge(gen, inp, out, fs, SPEC_OUT, SPEC_STATE)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_long_sequence(gen, D):
+    inp = make_inputs([8192], H=4, D=D, device=DEV, generator=gen)
+    out, fs = poisoned_outputs(inp)
+    run(inp, out, fs)
+    judge(gen, inp, out, fs, SPEC_OUT, SPEC_STATE)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("use_beta_sigmoid", [True, False], ids=["sig", "nosig"])
+@pytest.mark.parametrize("use_qk_l2norm", [True, False], ids=["l2", "nol2"])
+@pytest.mark.parametrize("gate_mode", ["bounded", "softplus", "precomputed"])
+def test_modes(gen, gate_mode, use_qk_l2norm, use_beta_sigmoid, state_dtype, D):
+    inp = make_inputs([0, 1, 17, 64, 65, 130], H=4, D=D, device=DEV, gate_mode=gate_mode,
+                      use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid, state_dtype=state_dtype,
+                      generator=gen)
+    out, fs = poisoned_outputs(inp)
+    run(inp, out, fs)
+    spec = gate_mode == "bounded" and state_dtype == torch.float32
+    judge(gen, inp, out, fs, SPEC_OUT if spec else LOOSE_OUT, SPEC_STATE if spec else LOOSE_STATE)
+
+
+@pytest.mark.parametrize("with_state", [True, False])
+def test_fixed_length_batch(gen, with_state):
+    inp = make_inputs(None, B=3, T=200, H=4, D=128, device=DEV, with_initial_state=with_state, generator=gen)
+    out, fs = poisoned_outputs(inp)
+    run(inp, out, fs)
+    judge(gen, inp, out, fs, SPEC_OUT, SPEC_STATE)
+
+
+def test_fp32_gate_and_beta_int64_cu(gen):
+    inp = make_inputs([33, 200, 7], H=4, D=128, device=DEV, g_dtype=torch.float32, beta_dtype=torch.float32,
+                      cu_dtype=torch.int64, generator=gen)
+    out, fs = poisoned_outputs(inp)
+    run(inp, out, fs)
+    judge(gen, inp, out, fs, SPEC_OUT, SPEC_STATE)
+
+
+def test_row_strided_inputs(gen):
+    inp = make_inputs([100, 1, 77], H=4, D=128, device=DEV, strided=True, generator=gen)
+    assert not inp["q"].is_contiguous()
+    out, fs = poisoned_outputs(inp)
+    run(inp, out, fs)
+    judge(gen, inp, out, fs, SPEC_OUT, SPEC_STATE)
+    dense = dict(inp)
+    for name in ("q", "k", "v", "g", "beta"):
+        dense[name] = inp[name].contiguous()
+    out2, fs2 = poisoned_outputs(inp)
+    run(dense, out2, fs2)
+    torch.cuda.synchronize()
+    assert torch.equal(out, out2) and torch.equal(fs, fs2)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_in_place_state(gen, state_dtype):
+    inp = make_inputs([50, 0, 129], H=4, D=128, device=DEV, state_dtype=state_dtype, generator=gen)
+    h0 = inp["initial_state"].clone()
+    state = inp["initial_state"]
+    out = torch.full(inp["v"].shape, float("nan"), dtype=BF16, device=DEV)
+    run(inp, out, state)
+    ref_inp = dict(inp, initial_state=h0)
+    tol = SPEC_STATE if state_dtype == torch.float32 else LOOSE_STATE
+    judge(gen, ref_inp, out, state, SPEC_OUT, tol)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_state_pool(gen, state_dtype):
+    lens = [40, 3, 0, 130, 65]
+    inp = make_inputs(lens, H=4, D=128, device=DEV, state_dtype=state_dtype, generator=gen)
+    P = 9
+    pool = (0.1 * torch.randn(P, 4, 128, 128, generator=gen)).to(device=DEV, dtype=state_dtype)
+    idx = torch.tensor([7, -1, 0, 2, 5], dtype=torch.int32, device=DEV)
+    has = torch.tensor([True, True, True, False, True], device=DEV)
+    inp["initial_state"] = pool.clone()
+    out = torch.full(inp["v"].shape, float("nan"), dtype=BF16, device=DEV)
+    run(inp, out, inp["initial_state"], state_indices=idx, has_initial_state=has)  # in place, like serving
+    torch.cuda.synchronize()
+    ref_out, ref_final = R.prefill(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"],
+                                   **dict(op_kwargs(inp), initial_state=pool), state_indices=idx,
+                                   has_initial_state=has)
+    ref_pool = R.update_state_pool(pool, ref_final, idx)
+    assert torch.isfinite(out.float()).all(), f"seed {gen.seed_value}"
+    assert torch.count_nonzero(out[0, 40:43]) == 0  # padded sequence: zero output
+    tol = SPEC_STATE if state_dtype == torch.float32 else LOOSE_STATE
+    assert rel_err(out, ref_out) <= SPEC_OUT, f"seed {gen.seed_value}"
+    used = [7, 0, 2, 5]
+    assert rel_err(inp["initial_state"][used], ref_pool[used]) <= tol, f"seed {gen.seed_value}"
+    untouched = [r for r in range(P) if r not in used]
+    assert torch.equal(inp["initial_state"][untouched], pool[untouched])
+
+
+def test_deterministic(gen):
+    inp = make_inputs([500, 3, 1000, 64], H=16, D=128, device=DEV, generator=gen)
+    results = []
+    for _ in range(3):
+        out, fs = poisoned_outputs(inp)
+        run(inp, out, fs)
+        results.append((out, fs))
+    torch.cuda.synchronize()
+    for out, fs in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(fs, results[0][1])
+
+
+def test_cuda_graph_replay(gen):
+    lens_a, lens_b = [100, 0, 200, 33], [1, 250, 17, 65]  # same N and T, different boundaries
+    inp = make_inputs(lens_a, H=4, D=128, device=DEV, generator=gen)
+    new = make_inputs(lens_b, H=4, D=128, device=DEV, generator=gen)
+    static = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
+    out, fs = poisoned_outputs(inp)
+    ws = flashkda.new_workspace(static["q"], static["cu_seqlens"])
+    args = lambda d, o, f: (d["q"], d["k"], d["v"], d["g"], d["beta"], 128 ** -0.5, o, ws, d["A_log"],  # noqa: E731
+                            d["dt_bias"], -5.0, d["initial_state"], f, d["cu_seqlens"])
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        torch.ops.flashkda.fwd(*args(static, out, fs))  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.ops.flashkda.fwd(*args(static, out, fs))
+    for src in (inp, new):
+        for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens"):
+            static[name].copy_(src[name])
+        out.fill_(float("nan"))
+        fs.fill_(float("nan"))
+        graph.replay()
+        eager_out, eager_fs = poisoned_outputs(src)
+        torch.ops.flashkda.fwd(*args(src, eager_out, eager_fs))
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager_out) and torch.equal(fs, eager_fs)
+        assert flashkda.read_device_error(ws) == 0
+    judge(gen, new, out, fs, SPEC_OUT, SPEC_STATE)
+
+
+def test_chunk_kda_layouts(gen):
+    inp = make_inputs([300, 17, 64, 131], H=4, D=128, device=DEV, generator=gen)
+    args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"])
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+              use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0, cu_seqlens=inp["cu_seqlens"],
+              A_log=inp["A_log"], dt_bias=inp["dt_bias"].flatten())
+    h0 = inp["initial_state"]
+    o_v, h_v = flashkda.chunk_kda(*args, initial_state=h0, state_v_first=True, **kw)
+    o_k, h_k = flashkda.chunk_kda(*args, initial_state=h0.transpose(-1, -2).contiguous(), **kw)
+    torch.cuda.synchronize()
+    assert torch.equal(o_v, o_k) and torch.equal(h_v, h_k.transpose(-1, -2))
+    judge(gen, inp, o_v, h_v, SPEC_OUT, SPEC_STATE)
+
+
+def test_device_side_validation():
+    """Bad index values on the device: the kernel writes nothing and records an error code."""
+    gen = torch.Generator().manual_seed(0)
+    inp = make_inputs([10, 20], H=4, D=128, device=DEV, generator=gen)
+    out, fs = poisoned_outputs(inp)
+    ws = flashkda.new_workspace(inp["q"], inp["cu_seqlens"])
+    bad = dict(inp, cu_seqlens=torch.tensor([0, 25, 20], dtype=torch.int32, device=DEV))
+    run(bad, out, fs, workspace=ws)
+    assert flashkda.read_device_error(ws) == 1
+    assert torch.isnan(out.float()).all() and torch.isnan(fs.float()).all()
+    flashkda.clear_device_error(ws)
+    assert flashkda.read_device_error(ws) == 0
+
+    pool = torch.zeros(3, 4, 128, 128, device=DEV)
+    run(dict(inp, initial_state=pool), out, pool, workspace=ws,
+        state_indices=torch.tensor([0, 3], dtype=torch.int32, device=DEV))
+    assert flashkda.read_device_error(ws) == 2
+    assert torch.isnan(out.float()).all() and torch.count_nonzero(pool) == 0
+    flashkda.clear_device_error(ws)
+    run(inp, out, fs, workspace=ws)  # a good call afterwards works
+    assert flashkda.read_device_error(ws) == 0
+    assert torch.isfinite(out.float()).all()
+
+
+def test_workspace_too_small():
+    gen = torch.Generator().manual_seed(0)
+    inp = make_inputs([10], H=4, D=128, device=DEV, generator=gen)
+    out, fs = poisoned_outputs(inp)
+    with pytest.raises(ValueError, match="'workspace'"):
+        run(inp, out, fs, workspace=torch.empty(1, dtype=torch.uint8, device=DEV))
+    with pytest.raises(ValueError, match="'k'"):
+        run(dict(inp, k=inp["k"].cpu()), out, fs)
+    assert torch.isnan(out.float()).all()
+
