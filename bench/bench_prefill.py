@@ -141,7 +141,8 @@ def fla_fn(x):
     return run
 
 
-def time_profiler(fn, iters):
+def kernel_times(fn, iters):
+    """Per-kernel GPU time per call (us) from the profiler, by kernel name."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -150,11 +151,17 @@ def time_profiler(fn, iters):
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
-    total = 0.0
+    per = {}
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA:
-            total += evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
-    return total / iters
+            t = evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
+            name = evt.name.split("<")[0].split("(")[0][-60:]
+            per[name] = per.get(name, 0.0) + t / iters
+    return per
+
+
+def time_profiler(fn, iters):
+    return sum(kernel_times(fn, iters).values())
 
 
 def numerics(have_fla):
@@ -224,7 +231,8 @@ def main():
         ours = Ours(x, H)
         med, best = time_graph(ours, args.iters)
         row = {"case": name, "lens": lens, "H": H, "ours_us": med, "ours_min_us": best,
-               "floor_us": floor_us(lens, H, bw), "fla_us": None, "fla_spec_us": FLA_US.get(name)}
+               "floor_us": floor_us(lens, H, bw), "fla_us": None, "fla_spec_us": FLA_US.get(name),
+               "ours_kernels_us": kernel_times(ours, 5)}
         if have_fla:
             try:
                 row["fla_us"] = time_profiler(fla_fn(x), 10)
@@ -237,6 +245,7 @@ def main():
         sp = f"{row['speedup_vs_fla']:5.2f}x" if row["speedup_vs_fla"] else "  n/a"
         print(f"{name:38s} ours {med:8.1f} us  fla {fla_s} us  floor {row['floor_us']:7.1f} us  "
               f"x_floor {row['x_floor']:5.2f}  speedup {sp}", flush=True)
+        print("    ours per kernel: " + ", ".join(f"{k} {v:.1f}" for k, v in row["ours_kernels_us"].items()))
         del ours, x
         torch.cuda.empty_cache()
     result = {"meta": meta, "numerics": num, "prefill": rows}

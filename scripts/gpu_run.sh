@@ -28,6 +28,12 @@ if [ "${SANITIZE:-1}" = 1 ]; then
   compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_case.py; echo "memcheck rc=$?"
   compute-sanitizer --tool racecheck --error-exitcode 9 python3 scripts/sanitize_case.py; echo "racecheck rc=$?"
 fi
+if [ "${NCU:-0}" = 1 ]; then
+  ncu --clock-control none -k regex:chunk_prepare -c 1 --section SpeedOfLight --section Occupancy \
+    --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis python3 scripts/profile_case.py 0 2>&1 | tail -120
+  ncu --clock-control none -k regex:state_recurrence -c 1 --section SpeedOfLight --section Occupancy \
+    --section WarpStateStats python3 scripts/profile_case.py 2 2>&1 | tail -80
+fi
 BARGS=""
 [ "$MODE" = quick ] && BARGS="--no-fla"
 python3 bench/bench_prefill.py --json "$OUT/bench.json" --md "$OUT/benchmarks.md" $BARGS ${BENCH_ARGS:-}

@@ -2,20 +2,26 @@
 //
 // Grid: (chunk slots, H).  Block: 256 threads = 8 warps, no warp specialisation; phases are
 // separated by __syncthreads:
-//   1. load q, k, g, v, beta of the chunk (rows past the sequence end are zero: inert tokens),
-//      l2-normalise q and k, gate -> log decay, cumulative decay G (log2 units, fp32), beta.
-//   2. write QT = scale q 2^G, KD = k 2^(G_last - G), gamma = 2^G_last to the chunk record; keep
-//      b k 2^G (bf16) for W.  Every exponent here is <= 0.
+//   1. load q, k, g, v, beta of the chunk with all loads in flight at once (rows past the sequence
+//      end are zero: inert tokens); l2-normalise q and k in registers (shuffles inside the 16 lanes
+//      that hold a row), gate -> log decay (log2 units), beta; cumulative decay G by a two-level scan.
+//      q and k are kept as fp16 when l2-normalised (|x| <= 1: 8x finer than bf16) and as the raw bf16
+//      otherwise (exact).
+//   2. write QT = scale q 2^G, KD = k 2^(G_last - G), gamma = 2^G_last to the chunk record.  Every
+//      exponent here is <= 0.
 //   3. L = strict_lower(diag(b) kt kb^T) and MQK = lower_incl(qt kb^T) on tensor cores, per 16x16
 //      block (I, J).  Off-diagonal blocks use the reference row 16I-1 (the row before block I):
 //      A = k_i 2^(G_i - G_ref), B = k_j 2^(G_ref - G_j), both <= 1 for any gate.  Diagonal blocks use
 //      row 16I+7; when a chunk's half-span exceeds kMaxHalfSpanLog2 they are summed pairwise instead.
-//   4. T_inv = (I + L)^-1 in fp32: 16x16 diagonal blocks by forward substitution (one warp each),
-//      then the off-diagonal blocks level by level, T_IJ = -T_II sum_M L_IM T_MJ.
+//   4. b kt (bf16) replaces G; T_inv = (I + L)^-1 in fp32 replaces q, k: 16x16 diagonal blocks by
+//      forward substitution (one warp each), then the off-diagonal blocks level by level,
+//      T_IJ = -T_II sum_M L_IM T_MJ.
 //   5. W = T_inv (b kt) and UT = (T_inv (b v))^T on tensor cores, written to the record.
-// Shared memory (D = 128): q, k, G fp32 3 x 33.8 KB, b v and b kt bf16 2 x 17.4 KB, L and T_inv fp32
-// 2 x 16.6 KB, T_inv bf16 9.2 KB: about 179 KB, one block per SM.
+// Shared memory (D = 128): q, k 16-bit 2 x 17.4 KB (later T_inv fp32 + bf16), G fp32 33.8 KB (later
+// b kt), b v bf16 17.4 KB, L fp32 16.6 KB: about 103 KB, two blocks per SM.
 #pragma once
+
+#include <cuda_fp16.h>
 
 #include "sm90/kda_common.cuh"
 
@@ -24,21 +30,28 @@ namespace sm90 {
 
 template <int D>
 struct PrepareSmem {
-  static constexpr int kLdF = D + 4;   // fp32 rows (q, k, G)
-  static constexpr int kLdH = D + 8;   // bf16 rows (ldmatrix-friendly padding)
+  static constexpr int kLdF = D + 4;   // fp32 rows (G)
+  static constexpr int kLdH = D + 8;   // 16-bit rows (ldmatrix-friendly padding)
   static constexpr int kLdT = kChunk + 1;
   static constexpr int kLdTb = kChunk + 8;
-  static constexpr int kQ = 0;
-  static constexpr int kK = kQ + kChunk * kLdF * 4;
-  static constexpr int kG = kK + kChunk * kLdF * 4;
-  static constexpr int kVb = kG + kChunk * kLdF * 4;
-  static constexpr int kKtb = kVb + kChunk * kLdH * 2;
-  static constexpr int kL = kKtb + kChunk * kLdH * 2;
-  static constexpr int kTi = kL + kChunk * kLdT * 4;
-  static constexpr int kTib = kTi + kChunk * kLdT * 4;
-  static constexpr int kX = kTib + kChunk * kLdTb * 2;  // level scratch: 3 x 16 x 17 fp32
-  static constexpr int kB = kX + 3 * 16 * 17 * 4;
-  static constexpr int kBytes = kB + kChunk * 4;
+  static constexpr int kQ = 0;                          // 16-bit q [C][kLdH]
+  static constexpr int kK = kQ + kChunk * kLdH * 2;     // 16-bit k [C][kLdH]
+  static constexpr int kG = kK + kChunk * kLdH * 2;     // fp32 G [C][kLdF]
+  static constexpr int kVb = kG + kChunk * kLdF * 4;    // bf16 b v [C][kLdH]
+  static constexpr int kL = kVb + kChunk * kLdH * 2;    // fp32 L [C][kLdT]
+  static constexpr int kB = kL + kChunk * kLdT * 4;     // fp32 b [C]
+  static constexpr int kTot = kB + kChunk * 4;          // fp32 scan partial sums [4][D]
+  static constexpr int kEnd = kTot + 4 * D * 4;
+  // Phase 4+ aliases (q, k and G are dead by then).  T_inv goes over q and k when they are large
+  // enough (D = 128), else after everything (D = 64, where shared memory is plentiful).
+  static constexpr int kTinvBytes = kChunk * kLdT * 4 + kChunk * kLdTb * 2 + 3 * 16 * 17 * 4;
+  static constexpr bool kTinvOverQK = kTinvBytes <= kG - kQ;
+  static constexpr int kKtb = kG;                                   // bf16 b kt [C][kLdH] over G
+  static constexpr int kTi = kTinvOverQK ? kQ : kEnd;               // fp32 T_inv [C][kLdT]
+  static constexpr int kTib = kTi + kChunk * kLdT * 4;              // bf16 T_inv [C][kLdTb]
+  static constexpr int kX = kTib + kChunk * kLdTb * 2;              // level scratch 3 x 16 x 17 fp32
+  static constexpr int kBytes = kTinvOverQK ? kEnd : kEnd + kTinvBytes;
+  static_assert(kChunk * kLdH * 2 <= kVb - kG, "b kt must fit over G");
 };
 
 constexpr int kPrepareThreads = 256;
@@ -90,17 +103,49 @@ __device__ inline void store8_bf16(bf16* p, const float (&x)[8]) {
   *reinterpret_cast<uint4*>(p) = u;
 }
 
+// q and k in shared memory: fp16 (l2-normalised) or bf16 (raw), chosen per call.
+__device__ inline uint32_t pack_qk(float lo, float hi, bool fp16) {
+  if (fp16) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+  return pack_bf16(lo, hi);
+}
+
+__device__ inline float2 load_qk2(const uint16_t* p, bool fp16) {
+  const uint32_t u = *reinterpret_cast<const uint32_t*>(p);
+  if (fp16) return __half22float2(*reinterpret_cast<const __half2*>(&u));
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
+}
+
+__device__ inline void load8_qk(const uint16_t* p, bool fp16, float (&x)[8]) {
+  const uint4 u = *reinterpret_cast<const uint4*>(p);
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float2 f;
+    if (fp16) {
+      f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+    } else {
+      f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
+    }
+    x[2 * i] = f.x;
+    x[2 * i + 1] = f.y;
+  }
+}
+
 // One 16x16 block (I, J) of L and MQK on tensor cores, factorised around reference row `ref`.
 template <int D>
-__device__ inline void lk_block_mma(const float* sQ, const float* sK, const float* sG, const float* sB, float* sL,
-                                    bf16* mqk, float scale, int I, int J, int ref, int lane) {
-  constexpr int ldf = PrepareSmem<D>::kLdF;
+__device__ inline void lk_block_mma(const uint16_t* sQ, const uint16_t* sK, bool fp16, const float* sG,
+                                    const float* sB, float* sL, bf16* mqk, float scale, int I, int J, int ref,
+                                    int lane) {
+  constexpr int ldf = PrepareSmem<D>::kLdF, ldh = PrepareSmem<D>::kLdH;
   const int g = lane >> 2, t = lane & 3;
   float accL[2][4] = {}, accM[2][4] = {};
   const float* gref = sG + ref * ldf;
 #pragma unroll 2
   for (int s = 0; s < D / 16; ++s) {
-    uint32_t ak[4], aq[4];
+    uint32_t ak[4], aq[4], bk[2][2];
 #pragma unroll
     for (int h = 0; h < 4; ++h) {  // a0: (g, 2t) a1: (g+8, 2t) a2: (g, 2t+8) a3: (g+8, 2t+8)
       const int row = 16 * I + g + (h & 1) * 8;
@@ -108,25 +153,27 @@ __device__ inline void lk_block_mma(const float* sQ, const float* sK, const floa
       const float2 gg = *reinterpret_cast<const float2*>(sG + row * ldf + col);
       const float2 gr = *reinterpret_cast<const float2*>(gref + col);
       const float e0 = fast_exp2(gg.x - gr.x), e1 = fast_exp2(gg.y - gr.y);
-      const float2 kk = *reinterpret_cast<const float2*>(sK + row * ldf + col);
-      const float2 qq = *reinterpret_cast<const float2*>(sQ + row * ldf + col);
+      const float2 kk = load_qk2(sK + row * ldh + col, fp16);
+      const float2 qq = load_qk2(sQ + row * ldh + col, fp16);
       ak[h] = pack_bf16(kk.x * e0, kk.y * e1);
       aq[h] = pack_bf16(qq.x * e0, qq.y * e1);
     }
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
-      uint32_t b[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {  // b0: k rows 2t, 2t+1; b1: 2t+8, 2t+9; n col g
         const int row = 16 * J + 8 * nt + g;
         const int col = 16 * s + 2 * t + 8 * h;
         const float2 gg = *reinterpret_cast<const float2*>(sG + row * ldf + col);
         const float2 gr = *reinterpret_cast<const float2*>(gref + col);
-        const float2 kk = *reinterpret_cast<const float2*>(sK + row * ldf + col);
-        b[h] = pack_bf16(kk.x * fast_exp2(gr.x - gg.x), kk.y * fast_exp2(gr.y - gg.y));
+        const float2 kk = load_qk2(sK + row * ldh + col, fp16);
+        bk[nt][h] = pack_bf16(kk.x * fast_exp2(gr.x - gg.x), kk.y * fast_exp2(gr.y - gg.y));
       }
-      mma_bf16(accL[nt], ak, b[0], b[1]);
-      mma_bf16(accM[nt], aq, b[0], b[1]);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      mma_bf16(accL[nt], ak, bk[nt][0], bk[nt][1]);
+      mma_bf16(accM[nt], aq, bk[nt][0], bk[nt][1]);
     }
   }
 #pragma unroll
@@ -148,20 +195,23 @@ __device__ inline void lk_block_mma(const float* sQ, const float* sK, const floa
 
 // Diagonal block I summed pairwise with 2^(G_i - G_j) <= 1: safe for any decay (slow path).
 template <int D>
-__device__ inline void lk_block_pairwise(const float* sQ, const float* sK, const float* sG, const float* sB,
-                                         float* sL, bf16* mqk, float scale, int I, int lane) {
-  constexpr int ldf = PrepareSmem<D>::kLdF;
+__device__ inline void lk_block_pairwise(const uint16_t* sQ, const uint16_t* sK, bool fp16, const float* sG,
+                                         const float* sB, float* sL, bf16* mqk, float scale, int I, int lane) {
+  constexpr int ldf = PrepareSmem<D>::kLdF, ldh = PrepareSmem<D>::kLdH;
   for (int ii = 0; ii < 16; ++ii) {
     const int i = 16 * I + ii;
     for (int jj = 0; jj < 16; ++jj) {
       const int j = 16 * I + jj;
       float pl = 0.f, pm = 0.f;
       if (jj <= ii) {
-        for (int c = lane; c < D; c += 32) {
-          const float e = fast_exp2(sG[i * ldf + c] - sG[j * ldf + c]);
-          const float kj = sK[j * ldf + c] * e;
-          pl += sK[i * ldf + c] * kj;
-          pm += sQ[i * ldf + c] * kj;
+        for (int c = 2 * lane; c < D; c += 64) {
+          const float2 gi = *reinterpret_cast<const float2*>(sG + i * ldf + c);
+          const float2 gj = *reinterpret_cast<const float2*>(sG + j * ldf + c);
+          const float2 ki = load_qk2(sK + i * ldh + c, fp16), kj = load_qk2(sK + j * ldh + c, fp16);
+          const float2 qi = load_qk2(sQ + i * ldh + c, fp16);
+          const float e0 = fast_exp2(gi.x - gj.x), e1 = fast_exp2(gi.y - gj.y);
+          pl += ki.x * kj.x * e0 + ki.y * kj.y * e1;
+          pm += qi.x * kj.x * e0 + qi.y * kj.y * e1;
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
@@ -177,22 +227,54 @@ __device__ inline void lk_block_pairwise(const float* sQ, const float* sK, const
   }
 }
 
+// Off-diagonal blocks of T_inv at block distance d: T_IJ = -T_II sum_{M=J}^{I-1} L_IM T_MJ, J = I - d.
+template <int D, int d>
+__device__ inline void tinv_level(const float* sL, float* sTi, float* sX, int tid) {
+  constexpr int ldt = PrepareSmem<D>::kLdT;
+  constexpr int pairs = 4 - d;
+  for (int e = tid; e < pairs * 256; e += kPrepareThreads) {
+    const int p = e >> 8, i = (e >> 4) & 15, j = e & 15;
+    const int J = p, I = p + d;
+    const float* lrow = sL + (16 * I + i) * ldt + 16 * J;
+    const float* tcol = sTi + (16 * J) * ldt + 16 * J + j;
+    float x = 0.f;
+#pragma unroll
+    for (int m = 0; m < 16 * d; ++m) x += lrow[m] * tcol[m * ldt];
+    sX[p * 272 + i * 17 + j] = x;
+  }
+  __syncthreads();
+  for (int e = tid; e < pairs * 256; e += kPrepareThreads) {
+    const int p = e >> 8, i = (e >> 4) & 15, j = e & 15;
+    const int J = p, I = p + d;
+    const float* trow = sTi + (16 * I + i) * ldt + 16 * I;
+    float x = 0.f;
+#pragma unroll
+    for (int m = 0; m < 16; ++m) x += trow[m] * sX[p * 272 + m * 17 + j];
+    sTi[(16 * I + i) * ldt + 16 * J + j] = -x;
+  }
+  __syncthreads();
+}
+
 template <int D>
-__global__ void __launch_bounds__(kPrepareThreads, 1) chunk_prepare_kernel(const PrefillArgs a) {
+__global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const PrefillArgs a) {
   static_assert(D == 64 || D == 128, "head dim");
   using SM = PrepareSmem<D>;
   extern __shared__ __align__(128) unsigned char smem[];
-  float* sQ = reinterpret_cast<float*>(smem + SM::kQ);
-  float* sK = reinterpret_cast<float*>(smem + SM::kK);
+  uint16_t* sQ = reinterpret_cast<uint16_t*>(smem + SM::kQ);
+  uint16_t* sK = reinterpret_cast<uint16_t*>(smem + SM::kK);
   float* sG = reinterpret_cast<float*>(smem + SM::kG);
   bf16* sVb = reinterpret_cast<bf16*>(smem + SM::kVb);
-  bf16* sKtb = reinterpret_cast<bf16*>(smem + SM::kKtb);
   float* sL = reinterpret_cast<float*>(smem + SM::kL);
+  float* sB = reinterpret_cast<float*>(smem + SM::kB);
+  float* sTot = reinterpret_cast<float*>(smem + SM::kTot);
+  bf16* sKtb = reinterpret_cast<bf16*>(smem + SM::kKtb);
   float* sTi = reinterpret_cast<float*>(smem + SM::kTi);
   bf16* sTib = reinterpret_cast<bf16*>(smem + SM::kTib);
   float* sX = reinterpret_cast<float*>(smem + SM::kX);
-  float* sB = reinterpret_cast<float*>(smem + SM::kB);
   constexpr int ldf = SM::kLdF, ldh = SM::kLdH, ldt = SM::kLdT, ldtb = SM::kLdTb;
+  constexpr int TPR = D / 8;                    // threads per row in the row-parallel phases
+  constexpr int RPP = kPrepareThreads / TPR;    // rows per pass
+  constexpr int PASSES = kChunk / RPP;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (blockIdx.x == 0 && blockIdx.y == 0) validate_device_inputs(a);
@@ -205,13 +287,21 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) chunk_prepare_kernel(const
   const int64_t tok0 = sp.bos + c * kChunk;
   const int rows = (sp.len - c * kChunk < kChunk) ? static_cast<int>(sp.len - c * kChunk) : kChunk;
   const float scale = a.scale;
+  const bool qk16 = a.l2norm != 0;  // fp16 q/k in smem when normalised, raw bf16 otherwise
   char* rec = a.records + (static_cast<int64_t>(blockIdx.x) * a.H + h) * ChunkRecord<D>::kBytes;
+  const int c8 = (tid % TPR) * 8, rbase = tid / TPR;
 
-  // ---- 1. load and preprocess ------------------------------------------------------------
-  const float A_log_h = a.gate_mode == kGatePrecomputed ? 0.f : a.A_log[h];
-  for (int e = tid; e < kChunk * (D / 8); e += kPrepareThreads) {
-    const int r = e / (D / 8), c8 = (e % (D / 8)) * 8;
+  // ---- 1. load and preprocess (all loads of a pass issued before use) ------------------------------
+  const bool gated = a.gate_mode != kGatePrecomputed;
+  const float A_log_h = gated ? a.A_log[h] : 0.f;
+  float dtb[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) dtb[i] = gated ? a.dt_bias[h * D + c8 + i] : 0.f;
+#pragma unroll
+  for (int pass = 0; pass < PASSES; ++pass) {
+    const int r = rbase + pass * RPP;
     float xq[8], xk[8], xg[8], xv[8];
+    float b = 0.f;
     if (r < rows) {
       const int64_t tok = tok0 + r;
       load8_bf16(a.q + sp.batch * a.q_sb + tok * a.q_st + h * D + c8, a.vec_q, xq);
@@ -232,51 +322,68 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) chunk_prepare_kernel(const
         load8_bf16(static_cast<const bf16*>(a.g) + go, a.vec_g, xg);
       }
       const float braw = load_scalar(a.beta, a.beta_fp32, sp.batch * a.beta_sb + tok * a.beta_st + h);
-      const float b = a.beta_sigmoid ? sigmoidf_(braw) : braw;
-      if (c8 == 0) sB[r] = b;
+      b = a.beta_sigmoid ? sigmoidf_(braw) : braw;
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        const float dtb = a.gate_mode == kGatePrecomputed ? 0.f : a.dt_bias[h * D + c8 + i];
-        xg[i] = gate_log_decay(a.gate_mode, xg[i], A_log_h, dtb, a.lower_bound) * kLog2e;
+        xg[i] = gate_log_decay(a.gate_mode, xg[i], A_log_h, dtb[i], a.lower_bound) * kLog2e;
         xv[i] *= b;
       }
     } else {
 #pragma unroll
       for (int i = 0; i < 8; ++i) xq[i] = xk[i] = xg[i] = xv[i] = 0.f;
-      if (c8 == 0) sB[r] = 0.f;
     }
+    if (qk16) {  // x / sqrt(sum x^2 + 1e-6); the TPR lanes of a row are adjacent
+      float sq = 0.f, sk = 0.f;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      sQ[r * ldf + c8 + i] = xq[i];
-      sK[r * ldf + c8 + i] = xk[i];
-      sG[r * ldf + c8 + i] = xg[i];
+      for (int i = 0; i < 8; ++i) {
+        sq += xq[i] * xq[i];
+        sk += xk[i] * xk[i];
+      }
+#pragma unroll
+      for (int o = TPR / 2; o > 0; o >>= 1) {
+        sq += __shfl_xor_sync(0xffffffffu, sq, o);
+        sk += __shfl_xor_sync(0xffffffffu, sk, o);
+      }
+      const float iq = rsqrtf(sq + 1e-6f), ik = rsqrtf(sk + 1e-6f);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        xq[i] *= iq;
+        xk[i] *= ik;
+      }
     }
+    uint4 uq, uk;
+    uq.x = pack_qk(xq[0], xq[1], qk16); uq.y = pack_qk(xq[2], xq[3], qk16);
+    uq.z = pack_qk(xq[4], xq[5], qk16); uq.w = pack_qk(xq[6], xq[7], qk16);
+    uk.x = pack_qk(xk[0], xk[1], qk16); uk.y = pack_qk(xk[2], xk[3], qk16);
+    uk.z = pack_qk(xk[4], xk[5], qk16); uk.w = pack_qk(xk[6], xk[7], qk16);
+    *reinterpret_cast<uint4*>(sQ + r * ldh + c8) = uq;
+    *reinterpret_cast<uint4*>(sK + r * ldh + c8) = uk;
+    *reinterpret_cast<float4*>(sG + r * ldf + c8) = make_float4(xg[0], xg[1], xg[2], xg[3]);
+    *reinterpret_cast<float4*>(sG + r * ldf + c8 + 4) = make_float4(xg[4], xg[5], xg[6], xg[7]);
     store8_bf16(sVb + r * ldh + c8, xv);
+    if (c8 == 0) sB[r] = b;
   }
   __syncthreads();
 
-  if (a.l2norm) {  // one warp per row; x / sqrt(sum x^2 + 1e-6)
-    for (int r = warp; r < 2 * kChunk; r += kPrepareThreads / 32) {
-      float* x = (r < kChunk) ? (sQ + r * ldf) : (sK + (r - kChunk) * ldf);
-      float ss = 0.f;
-      for (int i = lane; i < D; i += 32) ss += x[i] * x[i];
+  {  // cumulative decay: each of P parts scans RP rows of one column in registers, then adds the
+     // totals of the parts before it
+    constexpr int P = kPrepareThreads / D, RP = kChunk / P;
+    const int col = tid % D, part = tid / D;
+    float x[RP];
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-      const float inv = rsqrtf(ss + 1e-6f);
-      for (int i = lane; i < D; i += 32) x[i] *= inv;
-    }
+    for (int i = 0; i < RP; ++i) x[i] = sG[(part * RP + i) * ldf + col];
+#pragma unroll
+    for (int i = 1; i < RP; ++i) x[i] += x[i - 1];
+    sTot[part * D + col] = x[RP - 1];
+    __syncthreads();
+    float off = 0.f;
+    for (int p = 0; p < part; ++p) off += sTot[p * D + col];
+#pragma unroll
+    for (int i = 0; i < RP; ++i) sG[(part * RP + i) * ldf + col] = x[i] + off;
   }
-  if (tid < D) {  // cumulative decay, one column per thread
-    float run = 0.f;
-    for (int r = 0; r < kChunk; ++r) {
-      run += sG[r * ldf + tid];
-      sG[r * ldf + tid] = run;
-    }
-  }
-  for (int e = tid; e < kChunk * ldt; e += kPrepareThreads) sTi[e] = 0.f;
   __syncthreads();
 
-  // ---- 2. QT, KD, gamma, b kt ----------------------------------------------------------------
+  // ---- 2. QT, KD, gamma ------------------------------------------------------------------------------
   bf16* rW = reinterpret_cast<bf16*>(rec + ChunkRecord<D>::kW);
   bf16* rQT = reinterpret_cast<bf16*>(rec + ChunkRecord<D>::kQT);
   bf16* rKD = reinterpret_cast<bf16*>(rec + ChunkRecord<D>::kKD);
@@ -292,32 +399,29 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) chunk_prepare_kernel(const
       over |= (sG[(16 * I) * ldf + tid] - gm > kMaxHalfSpanLog2) | (gm - sG[(16 * I + 15) * ldf + tid] > kMaxHalfSpanLog2);
     }
   }
-  for (int e = tid; e < kChunk * (D / 8); e += kPrepareThreads) {
-    const int r = e / (D / 8), c8 = (e % (D / 8)) * 8;
-    float xq[8], xd[8], xt[8];
-    const float b = sB[r];
+#pragma unroll
+  for (int pass = 0; pass < PASSES; ++pass) {
+    const int r = rbase + pass * RPP;
+    float xq[8], xk[8], xd[8];
+    load8_qk(sQ + r * ldh + c8, qk16, xq);
+    load8_qk(sK + r * ldh + c8, qk16, xk);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const float gg = sG[r * ldf + c8 + i], gl = sG[(kChunk - 1) * ldf + c8 + i];
-      const float eg = fast_exp2(gg);
-      const float kk = sK[r * ldf + c8 + i];
-      xq[i] = scale * sQ[r * ldf + c8 + i] * eg;
-      xd[i] = kk * fast_exp2(gl - gg);
-      xt[i] = b * kk * eg;
+      xq[i] = scale * xq[i] * fast_exp2(gg);
+      xd[i] = xk[i] * fast_exp2(gl - gg);
     }
     store8_bf16(rQT + r * D + c8, xq);
     store8_bf16(rKD + r * D + c8, xd);
-    store8_bf16(sKtb + r * ldh + c8, xt);
   }
   // Upper blocks of MQK are zero (the state pass multiplies the whole 64x64 tile).
-  for (int e = tid; e < kChunk * kChunk / 2; e += kPrepareThreads) {
-    const int i = e / (kChunk / 2), j = (e % (kChunk / 2)) * 2;
-    if ((j / 16) > (i / 16)) *reinterpret_cast<uint32_t*>(rMQK + i * kChunk + j) = 0u;
+  for (int e = tid; e < kChunk * kChunk / 8; e += kPrepareThreads) {
+    const int i = e / (kChunk / 8), j = (e % (kChunk / 8)) * 8;
+    if ((j / 16) > (i / 16)) *reinterpret_cast<uint4*>(rMQK + i * kChunk + j) = make_uint4(0u, 0u, 0u, 0u);
   }
   const bool pairwise_diag = __syncthreads_or(over) != 0;
 
   // ---- 3. L and MQK blocks ---------------------------------------------------------------------
-  // Blocks in order of cost; warp w takes blocks w and w + 8 of this list.
   {
     constexpr int kBlocks = 10;
     // (I, J) of block q in 4-bit fields: I = {3,3,3,2,2,1,3,2,1,0}, J = {0,1,2,0,1,0,3,2,1,0}.
@@ -325,18 +429,35 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) chunk_prepare_kernel(const
     for (int q = warp; q < kBlocks; q += kPrepareThreads / 32) {
       const int I = static_cast<int>((kBlockI >> (4 * q)) & 15), J = static_cast<int>((kBlockJ >> (4 * q)) & 15);
       if (I != J) {
-        lk_block_mma<D>(sQ, sK, sG, sB, sL, rMQK, scale, I, J, 16 * I - 1, lane);
+        lk_block_mma<D>(sQ, sK, qk16, sG, sB, sL, rMQK, scale, I, J, 16 * I - 1, lane);
       } else if (!pairwise_diag) {
-        lk_block_mma<D>(sQ, sK, sG, sB, sL, rMQK, scale, I, J, 16 * I + 7, lane);
+        lk_block_mma<D>(sQ, sK, qk16, sG, sB, sL, rMQK, scale, I, J, 16 * I + 7, lane);
       } else {
-        lk_block_pairwise<D>(sQ, sK, sG, sB, sL, rMQK, scale, I, lane);
+        lk_block_pairwise<D>(sQ, sK, qk16, sG, sB, sL, rMQK, scale, I, lane);
       }
     }
   }
   __syncthreads();
 
-  // ---- 4. T_inv = (I + L)^-1 ---------------------------------------------------------------------
-  if (warp < 4 && lane < 16) {
+  // ---- 4. b kt over G, then T_inv = (I + L)^-1 over q and k ------------------------------------------
+  uint4 ktb[PASSES];
+#pragma unroll
+  for (int pass = 0; pass < PASSES; ++pass) {
+    const int r = rbase + pass * RPP;
+    float xk[8];
+    load8_qk(sK + r * ldh + c8, qk16, xk);
+    const float b = sB[r];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) xk[i] *= b * fast_exp2(sG[r * ldf + c8 + i]);
+    ktb[pass] = make_uint4(pack_bf16(xk[0], xk[1]), pack_bf16(xk[2], xk[3]), pack_bf16(xk[4], xk[5]),
+                           pack_bf16(xk[6], xk[7]));
+  }
+  __syncthreads();
+#pragma unroll
+  for (int pass = 0; pass < PASSES; ++pass) {
+    *reinterpret_cast<uint4*>(sKtb + (rbase + pass * RPP) * ldh + c8) = ktb[pass];
+  }
+  if (warp < 4 && lane < 16) {  // diagonal blocks by forward substitution, one column per lane
     const int I = warp, cc = lane;
     float tcol[16];
 #pragma unroll
@@ -350,29 +471,14 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) chunk_prepare_kernel(const
     for (int i = 0; i < 16; ++i) sTi[(16 * I + i) * ldt + 16 * I + cc] = tcol[i];
   }
   __syncthreads();
-  for (int d = 1; d < 4; ++d) {
-    const int pairs = 4 - d;
-    for (int e = tid; e < pairs * 256; e += kPrepareThreads) {  // X = sum_M L_IM T_MJ
-      const int p = e >> 8, i = (e >> 4) & 15, j = e & 15;
-      const int J = p, I = p + d;
-      float x = 0.f;
-      for (int m = 16 * J; m < 16 * I; ++m) x += sL[(16 * I + i) * ldt + m] * sTi[m * ldt + 16 * J + j];
-      sX[p * 272 + i * 17 + j] = x;
-    }
-    __syncthreads();
-    for (int e = tid; e < pairs * 256; e += kPrepareThreads) {  // T_IJ = -T_II X
-      const int p = e >> 8, i = (e >> 4) & 15, j = e & 15;
-      const int J = p, I = p + d;
-      float x = 0.f;
-#pragma unroll
-      for (int m = 0; m < 16; ++m) x += sTi[(16 * I + i) * ldt + 16 * I + m] * sX[p * 272 + m * 17 + j];
-      sTi[(16 * I + i) * ldt + 16 * J + j] = -x;
-    }
-    __syncthreads();
-  }
+  tinv_level<D, 1>(sL, sTi, sX, tid);
+  tinv_level<D, 2>(sL, sTi, sX, tid);
+  tinv_level<D, 3>(sL, sTi, sX, tid);
   for (int e = tid; e < kChunk * kChunk / 2; e += kPrepareThreads) {
     const int i = e / (kChunk / 2), j = (e % (kChunk / 2)) * 2;
-    *reinterpret_cast<uint32_t*>(sTib + i * ldtb + j) = pack_bf16(sTi[i * ldt + j], sTi[i * ldt + j + 1]);
+    const bool upper = (j / 16) > (i / 16);  // never written: zero
+    *reinterpret_cast<uint32_t*>(sTib + i * ldtb + j) =
+        upper ? 0u : pack_bf16(sTi[i * ldt + j], sTi[i * ldt + j + 1]);
   }
   __syncthreads();
 

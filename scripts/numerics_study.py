@@ -1,0 +1,280 @@
+#!/usr/bin/env python3
+"""CPU numerics study of the chunked KDA prefill kernel (C = 64, K = V = 128), float64 emulation.
+
+Emulates, chunk by chunk, the algorithm of the sm90 kernel (kda_spec.md section 3) with explicit
+rounding of every stored / tensor-core-operand quantity, and measures rel error of out (bf16) and
+final_state against the float64 recurrence of python/flashkda/reference.py.
+
+Rounding kinds: fp64 (identity), fp32, bf16, fp16, hilo (bf16 hi + bf16 lo of the remainder).
+Knobs (all "records" of the kernel):
+  QT, KD, MQK, TINV, W, U, S (state as tensor-core operand), VN (Vn as tensor-core operand)
+  OP   rounding of the fixed bf16 tensor-core operands (L/MQK factors, b*k*exp(G), b*v)
+  ACC  fp32 math/accumulate of the kernel (prepare in fp32, fp32 results of every product)
+  OUT  final output rounding (bf16)
+
+Usage: python3 scripts/numerics_study.py [--quick]
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+
+import torch
+
+torch.set_num_threads(2)
+
+# flashkda/__init__ loads the compiled op library; reference.py only needs torch, so load it by path.
+_spec = importlib.util.spec_from_file_location("kda_reference", "/work/main/python/flashkda/reference.py")
+ref = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ref)
+
+C = 64
+BLK = 16
+KDIM = VDIM = 128
+LOWER_BOUND = -5.0
+
+
+# ----------------------------------------------------------------------------------------- rounding
+def rnd(x: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "fp64":
+        return x
+    if kind == "fp32":
+        return x.float().double()
+    if kind == "bf16":
+        return x.to(torch.bfloat16).double()
+    if kind == "fp16":
+        return x.to(torch.float16).double()
+    if kind == "hilo":
+        x = x.float()  # the kernel splits an fp32 value
+        hi = x.to(torch.bfloat16)
+        lo = (x - hi.float()).to(torch.bfloat16)
+        return hi.double() + lo.double()
+    raise ValueError(kind)
+
+
+KNOBS = ("QT", "KD", "MQK", "TINV", "W", "U", "S", "VN")
+
+
+def config(base: str = "bf16", op: str = "bf16", acc: str = "fp32", out: str = "bf16", **kw) -> dict:
+    cfg = {k: base for k in KNOBS}
+    cfg.update(FOFF=op, FDIAG=op, BK=op, BV=op, ACC=acc, OUT=out, FOLD=False)
+    for k, v in kw.items():
+        assert k in cfg, k
+        cfg[k] = v
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------- inputs
+def make_inputs(seqlens, H, seed):
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(seqlens)
+    N = len(seqlens)
+    q = torch.randn(1, T, H, KDIM, generator=gen).bfloat16()
+    k = torch.randn(1, T, H, KDIM, generator=gen).bfloat16()
+    v = torch.randn(1, T, H, VDIM, generator=gen).bfloat16()
+    g = torch.randn(1, T, H, KDIM, generator=gen).bfloat16()
+    beta = torch.randn(1, T, H, generator=gen).bfloat16()
+    A_log = torch.rand(H, generator=gen)
+    dt_bias = torch.rand(H, KDIM, generator=gen)
+    h0 = 0.1 * torch.randn(N, H, VDIM, KDIM, generator=gen)
+    cu = torch.tensor([0] + list(torch.cumsum(torch.tensor(seqlens), 0).tolist()), dtype=torch.long)
+    return dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, h0=h0, cu=cu)
+
+
+def reference(inp):
+    out, fin = ref.prefill(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], gate_mode="bounded",
+                           A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=LOWER_BOUND,
+                           initial_state=inp["h0"], cu_seqlens=inp["cu"])
+    return out, fin
+
+
+def to_chunks(x, cu, nC):
+    """[1, T, H, D] -> [N, nC, H, C, D] zero padded (pad rows are zero)."""
+    x = x[0]
+    N = cu.numel() - 1
+    H, D = x.shape[1], x.shape[2]
+    outp = torch.zeros(N, nC * C, H, D, dtype=x.dtype)
+    for n in range(N):
+        s, e = int(cu[n]), int(cu[n + 1])
+        outp[n, : e - s] = x[s:e]
+    return outp.reshape(N, nC, C, H, D).permute(0, 1, 3, 2, 4).contiguous()
+
+
+def from_chunks(o, cu):
+    """[N, nC, H, C, V] -> [1, T, H, V]."""
+    N, nC, H, _, V = o.shape
+    o = o.permute(0, 1, 3, 2, 4).reshape(N, nC * C, H, V)
+    parts = [o[n, : int(cu[n + 1]) - int(cu[n])] for n in range(N)]
+    return torch.cat(parts, 0)[None]
+
+
+# -------------------------------------------------------------------------------------- emulation
+def emulate(inp, cfg, ranges=None):
+    cu = inp["cu"]
+    lens = (cu[1:] - cu[:-1]).tolist()
+    nC = max(1, max((l + C - 1) // C for l in lens))
+    H = inp["q"].shape[2]
+    scale = KDIM ** -0.5
+    wdt = torch.float32 if cfg["ACC"] == "fp32" else torch.float64  # the kernel's "fp32" math dtype
+    R = lambda x, key: rnd(x, cfg[key])  # noqa: E731
+    A = lambda x: rnd(x, cfg["ACC"])  # noqa: E731  fp32 result of a product / fp32 register value
+
+    # ---- token-wise preprocessing in fp32 (pad rows stay zero: q=k=v=0, a=0, b=0)
+    q = ref.l2norm(inp["q"].to(wdt))
+    k = ref.l2norm(inp["k"].to(wdt))
+    v = inp["v"].to(wdt)
+    Aexp = torch.exp(inp["A_log"].to(wdt)).reshape(H, 1)
+    a = LOWER_BOUND * torch.sigmoid(Aexp * (inp["g"].to(wdt) + inp["dt_bias"].to(wdt).reshape(H, KDIM)))
+    b = torch.sigmoid(inp["beta"].to(wdt))[..., None]
+    q, k, v, a = (to_chunks(x, cu, nC) for x in (q, k, v, a))
+    b = to_chunks(b, cu, nC)  # [N, nC, H, C, 1]
+    G = torch.cumsum(a, dim=-2)  # fp32 cumsum over the chunk
+    Glast = G[..., -1:, :]
+
+    QT = R((scale * q * torch.exp(G)).double(), "QT")
+    KD = R((k * torch.exp(Glast - G)).double(), "KD")
+    gamma = torch.exp(Glast).double()  # [N, nC, H, 1, K]
+
+    # ---- L and MQK from bf16 factors with a per-16x16-block reference row
+    L = torch.zeros(*q.shape[:-1], C, dtype=torch.float64)
+    MQK = torch.zeros_like(L)
+    nb = C // BLK
+    for I in range(nb):
+        rows = slice(BLK * I, BLK * I + BLK)
+        for J in range(I + 1):
+            cols = slice(BLK * J, BLK * J + BLK)
+            r = BLK * I - 1 if I > J else BLK * I + 7
+            fop = cfg["FOFF"] if I > J else cfg["FDIAG"]
+            Gr = G[..., r : r + 1, :]
+            fk_i = rnd((k[..., rows, :] * torch.exp(G[..., rows, :] - Gr)).double(), fop)
+            fq_i = rnd((q[..., rows, :] * torch.exp(G[..., rows, :] - Gr)).double(), fop)
+            fk_j = rnd((k[..., cols, :] * torch.exp(Gr - G[..., cols, :])).double(), fop)
+            L[..., rows, cols] = A(fk_i @ fk_j.transpose(-1, -2))
+            MQK[..., rows, cols] = A(fq_i @ fk_j.transpose(-1, -2))
+    L = A(b.double() * L).tril(-1)
+    MQK = R(A(scale * MQK).tril(0), "MQK")
+
+    eye = torch.eye(C, dtype=torch.float64)
+    Tinv = torch.linalg.solve_triangular(eye + L, eye.expand_as(L), upper=False, unitriangular=True)
+    if cfg["FOLD"]:
+        # fold diag(b) into T_inv: W = (T_inv diag(b)) @ (k exp(G)), U = (T_inv diag(b)) @ v (v exact in bf16)
+        Tinv = R(A(Tinv * b.double().transpose(-1, -2)), "TINV")
+        bk = rnd((k * torch.exp(G)).double(), cfg["BK"])
+        bv = v.double()
+    else:
+        Tinv = R(A(Tinv), "TINV")
+        bk = rnd((b * k * torch.exp(G)).double(), cfg["BK"])
+        bv = rnd((b * v).double(), cfg["BV"])
+    W = R(A(Tinv @ bk), "W")
+    U = R(A(Tinv @ bv), "U")
+
+    if ranges is not None:
+        for name, x in (("QT", QT), ("KD", KD), ("MQK", MQK), ("TINV", Tinv), ("W", W), ("U", U)):
+            ranges[name] = max(ranges.get(name, 0.0), float(x.abs().max()))
+
+    # ---- recurrence over chunks, batched over sequences and heads
+    S = inp["h0"].double().clone()  # [N, H, V, K] fp32 values
+    S = A(S)
+    O = torch.empty(*QT.shape[:-1], VDIM, dtype=torch.float64)
+    smax = vnmax = 0.0
+    for c in range(nC):
+        Sop = R(S, "S")
+        SopT = Sop.transpose(-1, -2)  # [N, H, K, V]
+        Vn = A(U[:, c] - W[:, c] @ SopT)
+        Vn_op = R(Vn, "VN")
+        O[:, c] = A(QT[:, c] @ SopT + MQK[:, c] @ Vn_op)
+        S = A(S * gamma[:, c] + Vn_op.transpose(-1, -2) @ KD[:, c])
+        smax = max(smax, float(S.abs().max()))
+        vnmax = max(vnmax, float(Vn.abs().max()))
+    if ranges is not None:
+        ranges["S"] = max(ranges.get("S", 0.0), smax)
+        ranges["VN"] = max(ranges.get("VN", 0.0), vnmax)
+    out = rnd(from_chunks(O, cu), cfg["OUT"])
+    return out, S
+
+
+# ------------------------------------------------------------------------------------------ driver
+SEQLENS = [300, 17, 64, 131]
+H = 4
+SEEDS = (0, 1, 2)
+
+
+def run(cfgs, cases, ranges=None):
+    res = {}
+    for name, cfg in cfgs:
+        eo, es = [], []
+        for inp, (ro, rs) in cases:
+            o, s = emulate(inp, cfg, ranges)
+            eo.append(ref.rel_err(o, ro))
+            es.append(ref.rel_err(s, rs))
+        res[name] = (sum(eo) / len(eo), sum(es) / len(es))
+        print(f"{name:48s} out {res[name][0]:.3e}  state {res[name][1]:.3e}", flush=True)
+    return res
+
+
+def main():
+    t0 = time.time()
+    cases = []
+    for s in SEEDS:
+        inp = make_inputs(SEQLENS, H, s)
+        cases.append((inp, reference(inp)))
+    print(f"# reference done in {time.time() - t0:.1f}s; varlen {SEQLENS}, H={H}, seeds {SEEDS}")
+
+    print("# --- validation (emulated chunk algorithm vs float64 recurrence)")
+    run([("all fp64 (out fp64)", config("fp64", op="fp64", acc="fp64", out="fp64")),
+         ("all fp32 (out fp64)", config("fp32", op="fp32", acc="fp32", out="fp64")),
+         ("floor: all fp32, out bf16", config("fp32", op="fp32", acc="fp32")),
+         ("floor: all fp32, fixed bf16 operands, out bf16", config("fp32", op="bf16"))], cases)
+
+    print("# --- study (fixed bf16 operands: L/MQK factors, b*k*exp(G), b*v; fp32 accumulate)")
+    cfgs = [("(1) all bf16", config("bf16")),
+            ("(2) S=hilo", config("bf16", S="hilo")),
+            ("(3) S=hilo VN=hilo", config("bf16", S="hilo", VN="hilo"))]
+    for kn in ("QT", "KD", "MQK", "TINV", "W", "U", "VN", "S"):
+        cfgs.append((f"(4) {kn}=fp32", config("bf16", **{kn: "fp32"})))
+    run(cfgs, cases)
+
+    print("# --- (5) all fp16 records (ranges = max abs of each stored quantity)")
+    ranges = {}
+    run([("(5) all fp16", config("fp16"))], cases, ranges)
+    print("#   max abs: " + "  ".join(f"{k}={v:.3g}" for k, v in ranges.items()))
+    print("#   fp16: max 65504, min normal 6.1e-5 (QT, KD, MQK decay towards 0 -> subnormal/underflow)")
+    run([("(5b) all fp16, S=hilo", config("fp16", S="hilo")),
+         ("(5c) all fp16, S=fp32", config("fp16", S="fp32"))], cases)
+
+    print("# --- (6) search for a cheap combination")
+    cand = [
+        ("S=hilo VN=hilo MQK=fp16", config("bf16", S="hilo", VN="hilo", MQK="fp16")),
+        ("S=hilo VN=hilo TINV=fp16", config("bf16", S="hilo", VN="hilo", TINV="fp16")),
+        ("S=hilo VN=hilo U=fp16", config("bf16", S="hilo", VN="hilo", U="fp16")),
+        ("S=hilo VN=hilo W=fp16", config("bf16", S="hilo", VN="hilo", W="fp16")),
+        ("S=hilo VN=hilo QT=fp16", config("bf16", S="hilo", VN="hilo", QT="fp16")),
+        ("S=hilo VN=hilo KD=fp16", config("bf16", S="hilo", VN="hilo", KD="fp16")),
+        ("S=hilo VN=fp16", config("bf16", S="hilo", VN="fp16")),
+        ("S=hilo VN=hilo U=fp16 MQK=fp16", config("bf16", S="hilo", VN="hilo", U="fp16", MQK="fp16")),
+        ("S=hilo VN=hilo U=fp16 TINV=fp16", config("bf16", S="hilo", VN="hilo", U="fp16", TINV="fp16")),
+        ("S=hilo VN=hilo U,TINV,MQK=fp16",
+         config("bf16", S="hilo", VN="hilo", U="fp16", TINV="fp16", MQK="fp16")),
+        ("S=hilo VN=hilo U,TINV,MQK,W=fp16",
+         config("bf16", S="hilo", VN="hilo", U="fp16", TINV="fp16", MQK="fp16", W="fp16")),
+        ("S=hilo VN=hilo U,TINV,MQK,W,QT,KD=fp16",
+         config("bf16", S="hilo", VN="hilo", U="fp16", TINV="fp16", MQK="fp16", W="fp16", QT="fp16",
+                KD="fp16")),
+    ]
+    run(cand, cases)
+
+    if "--quick" not in sys.argv:
+        print("# --- long case: one sequence of 4096 tokens, H=2 (seed 0)")
+        inp = make_inputs([4096], 2, 0)
+        t1 = time.time()
+        long_case = [(inp, reference(inp))]
+        print(f"# reference done in {time.time() - t1:.1f}s")
+        run([("(1) all bf16", config("bf16")),
+             ("(3) S=hilo VN=hilo", config("bf16", S="hilo", VN="hilo"))] + cand[-3:], long_case)
+    print(f"# total {time.time() - t0:.1f}s")
+
+
+if __name__ == "__main__":
+    main()
