@@ -19,7 +19,7 @@ C = 64
 
 
 def record_views(ws: torch.Tensor, slot: int, h: int, H: int, D: int):
-    rec_bytes = 4 * C * D * 2 + C * C * 2 + D * 4
+    rec_bytes = 4 * C * D * 2 + C * C * 2 + D * 4 + 128
     base = 256 + (slot * H + h) * rec_bytes
     raw = ws.view(torch.uint8)[base: base + rec_bytes]
     off = 0
@@ -33,10 +33,11 @@ def record_views(ws: torch.Tensor, slot: int, h: int, H: int, D: int):
     W = take(C * D * 2, torch.bfloat16, (C, D))
     QT = take(C * D * 2, torch.bfloat16, (C, D))
     KD = take(C * D * 2, torch.bfloat16, (C, D))
-    UT = take(D * C * 2, torch.bfloat16, (D, C))
+    UT = take(D * C * 2, torch.float16, (D, C))
     MQK = take(C * C * 2, torch.bfloat16, (C, C))
     gamma = take(D * 4, torch.float32, (D,))
-    return dict(W=W, QT=QT, KD=KD, UT=UT, MQK=MQK, gamma=gamma)
+    shift = int(take(4, torch.int32, (1,)).item())
+    return dict(W=W, QT=QT, KD=KD, UT=UT.double() * 2.0 ** shift, MQK=MQK, gamma=gamma)
 
 
 def expected_records(q, k, v, a, b, scale):

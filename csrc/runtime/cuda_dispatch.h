@@ -12,9 +12,9 @@ namespace detail {
 constexpr size_t kWorkspaceHeaderBytes = 256;
 constexpr int64_t kChunkTokens = 64;
 // Bytes of one chunk record (sm90::ChunkRecord<D>): W, QT, KD [C][D] bf16, UT [D][C] bf16,
-// MQK [C][C] bf16, gamma [D] fp32.
+// MQK [C][C] bf16, gamma [D] fp32, a 128-byte tail (UT shift).
 constexpr size_t chunk_record_bytes(int64_t d) {
-  return static_cast<size_t>(4 * kChunkTokens * d * 2 + kChunkTokens * kChunkTokens * 2 + d * 4);
+  return static_cast<size_t>(4 * kChunkTokens * d * 2 + kChunkTokens * kChunkTokens * 2 + d * 4 + 128);
 }
 
 #if defined(FLASHKDA_WITH_CUDA)

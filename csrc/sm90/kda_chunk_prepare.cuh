@@ -13,12 +13,18 @@
 //      block (I, J).  Off-diagonal blocks use the reference row 16I-1 (the row before block I):
 //      A = k_i 2^(G_i - G_ref), B = k_j 2^(G_ref - G_j), both <= 1 for any gate.  Diagonal blocks use
 //      row 16I+7; when a chunk's half-span exceeds kMaxHalfSpanLog2 they are summed pairwise instead.
-//   4. b kt (bf16) replaces G; T_inv = (I + L)^-1 in fp32 replaces q, k: 16x16 diagonal blocks by
-//      forward substitution (one warp each), then the off-diagonal blocks level by level,
+//      The diagonal blocks carry the largest entries of L and MQK, so their factors go through
+//      tf32 mma (fp32 range, 10-bit mantissa) rather than bf16.
+//   4. kt = k 2^G (fp16) replaces G; T_inv = (I + L)^-1 in fp32 replaces q, k: 16x16 diagonal blocks
+//      by forward substitution (one warp each), then the off-diagonal blocks level by level,
 //      T_IJ = -T_II sum_M L_IM T_MJ.
-//   5. W = T_inv (b kt) and UT = (T_inv (b v))^T on tensor cores, written to the record.
-// Shared memory (D = 128): q, k 16-bit 2 x 17.4 KB (later T_inv fp32 + bf16), G fp32 33.8 KB (later
-// b kt), b v bf16 17.4 KB, L fp32 16.6 KB: about 103 KB, two blocks per SM.
+//   5. W = (T_inv diag(b)) kt and UT = (T_inv diag(b) v)^T as fp16 mma's: v, kt and T_inv diag(b) are
+//      each scaled by a power of two chosen from their block maximum so that every operand and the
+//      U result fit fp16 for any finite input (|v'| < 2^8, |kt'| < 1, |Tb'| < 2, |U'| < 2^15); the
+//      scales are exact and undone on W (fp32 accumulator) and recorded for UT (stored fp16).  fp16's
+//      11-bit mantissa on v and T_inv is what keeps the state error well under bf16's.
+// Shared memory (D = 128): q, k 16-bit 2 x 17.4 KB (later T_inv fp32 + fp16), G fp32 33.8 KB (later
+// kt), v 17.4 KB, L fp32 16.6 KB: about 103 KB, two blocks per SM.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -37,21 +43,22 @@ struct PrepareSmem {
   static constexpr int kQ = 0;                          // 16-bit q [C][kLdH]
   static constexpr int kK = kQ + kChunk * kLdH * 2;     // 16-bit k [C][kLdH]
   static constexpr int kG = kK + kChunk * kLdH * 2;     // fp32 G [C][kLdF]
-  static constexpr int kVb = kG + kChunk * kLdF * 4;    // bf16 b v [C][kLdH]
-  static constexpr int kL = kVb + kChunk * kLdH * 2;    // fp32 L [C][kLdT]
+  static constexpr int kV = kG + kChunk * kLdF * 4;     // v [C][kLdH]: raw bf16, then scaled fp16
+  static constexpr int kL = kV + kChunk * kLdH * 2;     // fp32 L [C][kLdT]
   static constexpr int kB = kL + kChunk * kLdT * 4;     // fp32 b [C]
   static constexpr int kTot = kB + kChunk * 4;          // fp32 scan partial sums [4][D]
-  static constexpr int kEnd = kTot + 4 * D * 4;
+  static constexpr int kMax = kTot + 4 * D * 4;         // int-encoded maxima: |v|, |k|, |T_inv b|
+  static constexpr int kEnd = kMax + 16;
   // Phase 4+ aliases (q, k and G are dead by then).  T_inv goes over q and k when they are large
   // enough (D = 128), else after everything (D = 64, where shared memory is plentiful).
   static constexpr int kTinvBytes = kChunk * kLdT * 4 + kChunk * kLdTb * 2 + 3 * 16 * 17 * 4;
   static constexpr bool kTinvOverQK = kTinvBytes <= kG - kQ;
-  static constexpr int kKtb = kG;                                   // bf16 b kt [C][kLdH] over G
+  static constexpr int kKtb = kG;                                   // fp16 kt [C][kLdH] over G
   static constexpr int kTi = kTinvOverQK ? kQ : kEnd;               // fp32 T_inv [C][kLdT]
-  static constexpr int kTib = kTi + kChunk * kLdT * 4;              // bf16 T_inv [C][kLdTb]
+  static constexpr int kTib = kTi + kChunk * kLdT * 4;              // fp16 T_inv diag(b) [C][kLdTb]
   static constexpr int kX = kTib + kChunk * kLdTb * 2;              // level scratch 3 x 16 x 17 fp32
   static constexpr int kBytes = kTinvOverQK ? kEnd : kEnd + kTinvBytes;
-  static_assert(kChunk * kLdH * 2 <= kVb - kG, "b kt must fit over G");
+  static_assert(kChunk * kLdH * 2 <= kV - kG, "kt must fit over G");
 };
 
 constexpr int kPrepareThreads = 256;
@@ -118,6 +125,17 @@ __device__ inline float2 load_qk2(const uint16_t* p, bool fp16) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
 }
 
+__device__ inline float load_qk1(const uint16_t* p, bool fp16) {
+  const uint16_t u = *p;
+  if (fp16) return __half2float(*reinterpret_cast<const __half*>(&u));
+  return __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(&u));
+}
+
+__device__ inline uint32_t pack_f16(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
 __device__ inline void load8_qk(const uint16_t* p, bool fp16, float (&x)[8]) {
   const uint4 u = *reinterpret_cast<const uint4*>(p);
   const uint32_t w[4] = {u.x, u.y, u.z, u.w};
@@ -132,6 +150,64 @@ __device__ inline void load8_qk(const uint16_t* p, bool fp16, float (&x)[8]) {
     x[2 * i] = f.x;
     x[2 * i + 1] = f.y;
   }
+}
+
+// Writes block (I, J) of L (fp32, smem) and MQK (bf16, record) from mma accumulators (2 n-tiles).
+template <int D>
+__device__ inline void store_lk_block(const float (&accL)[2][4], const float (&accM)[2][4], const float* sB,
+                                      float* sL, bf16* mqk, float scale, int I, int J, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int i = 16 * I + g + 8 * hh;
+      const int j = 16 * J + 8 * nt + 2 * t;
+      const float l0 = (j < i) ? sB[i] * accL[nt][2 * hh] : 0.f;
+      const float l1 = (j + 1 < i) ? sB[i] * accL[nt][2 * hh + 1] : 0.f;
+      sL[i * PrepareSmem<D>::kLdT + j] = l0;
+      sL[i * PrepareSmem<D>::kLdT + j + 1] = l1;
+      const float m0 = (j <= i) ? scale * accM[nt][2 * hh] : 0.f;
+      const float m1 = (j + 1 <= i) ? scale * accM[nt][2 * hh + 1] : 0.f;
+      *reinterpret_cast<uint32_t*>(mqk + i * kChunk + j) = pack_bf16(m0, m1);
+    }
+  }
+}
+
+// Diagonal block I on tf32 tensor cores, factorised around its row 7 (factors up to 2^half-span).
+template <int D>
+__device__ inline void lk_block_diag_tf32(const uint16_t* sQ, const uint16_t* sK, bool fp16, const float* sG,
+                                          const float* sB, float* sL, bf16* mqk, float scale, int I, int lane) {
+  constexpr int ldf = PrepareSmem<D>::kLdF, ldh = PrepareSmem<D>::kLdH;
+  const int g = lane >> 2, t = lane & 3;
+  float accL[2][4] = {}, accM[2][4] = {};
+  const float* gref = sG + (16 * I + 7) * ldf;
+#pragma unroll 4
+  for (int s = 0; s < D / 8; ++s) {
+    const int c0 = 8 * s + t, c1 = c0 + 4;
+    const float gr0 = gref[c0], gr1 = gref[c1];
+    uint32_t ak[4], aq[4], bk[2][2];
+#pragma unroll
+    for (int h = 0; h < 4; ++h) {  // a0: (g, t) a1: (g+8, t) a2: (g, t+4) a3: (g+8, t+4)
+      const int row = 16 * I + g + (h & 1) * 8;
+      const int col = (h >> 1) ? c1 : c0;
+      const float e = fast_exp2(sG[row * ldf + col] - ((h >> 1) ? gr1 : gr0));
+      ak[h] = to_tf32(load_qk1(sK + row * ldh + col, fp16) * e);
+      aq[h] = to_tf32(load_qk1(sQ + row * ldh + col, fp16) * e);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {  // b0: (k = t, n = g) b1: (k = t + 4, n = g)
+      const int row = 16 * I + 8 * nt + g;
+      bk[nt][0] = to_tf32(load_qk1(sK + row * ldh + c0, fp16) * fast_exp2(gr0 - sG[row * ldf + c0]));
+      bk[nt][1] = to_tf32(load_qk1(sK + row * ldh + c1, fp16) * fast_exp2(gr1 - sG[row * ldf + c1]));
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      mma_tf32(accL[nt], ak, bk[nt][0], bk[nt][1]);
+      mma_tf32(accM[nt], aq, bk[nt][0], bk[nt][1]);
+    }
+  }
+  store_lk_block<D>(accL, accM, sB, sL, mqk, scale, I, I, lane);
 }
 
 // One 16x16 block (I, J) of L and MQK on tensor cores, factorised around reference row `ref`.
@@ -176,21 +252,7 @@ __device__ inline void lk_block_mma(const uint16_t* sQ, const uint16_t* sK, bool
       mma_bf16(accM[nt], aq, bk[nt][0], bk[nt][1]);
     }
   }
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int i = 16 * I + g + 8 * hh;
-      const int j = 16 * J + 8 * nt + 2 * t;
-      const float l0 = (j < i) ? sB[i] * accL[nt][2 * hh] : 0.f;
-      const float l1 = (j + 1 < i) ? sB[i] * accL[nt][2 * hh + 1] : 0.f;
-      sL[i * PrepareSmem<D>::kLdT + j] = l0;
-      sL[i * PrepareSmem<D>::kLdT + j + 1] = l1;
-      const float m0 = (j <= i) ? scale * accM[nt][2 * hh] : 0.f;
-      const float m1 = (j + 1 <= i) ? scale * accM[nt][2 * hh + 1] : 0.f;
-      *reinterpret_cast<uint32_t*>(mqk + i * kChunk + j) = pack_bf16(m0, m1);
-    }
-  }
+  store_lk_block<D>(accL, accM, sB, sL, mqk, scale, I, J, lane);
 }
 
 // Diagonal block I summed pairwise with 2^(G_i - G_j) <= 1: safe for any decay (slow path).
@@ -263,13 +325,14 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   uint16_t* sQ = reinterpret_cast<uint16_t*>(smem + SM::kQ);
   uint16_t* sK = reinterpret_cast<uint16_t*>(smem + SM::kK);
   float* sG = reinterpret_cast<float*>(smem + SM::kG);
-  bf16* sVb = reinterpret_cast<bf16*>(smem + SM::kVb);
+  uint16_t* sV = reinterpret_cast<uint16_t*>(smem + SM::kV);
+  int* sMax = reinterpret_cast<int*>(smem + SM::kMax);
   float* sL = reinterpret_cast<float*>(smem + SM::kL);
   float* sB = reinterpret_cast<float*>(smem + SM::kB);
   float* sTot = reinterpret_cast<float*>(smem + SM::kTot);
-  bf16* sKtb = reinterpret_cast<bf16*>(smem + SM::kKtb);
+  uint16_t* sKt = reinterpret_cast<uint16_t*>(smem + SM::kKtb);
   float* sTi = reinterpret_cast<float*>(smem + SM::kTi);
-  bf16* sTib = reinterpret_cast<bf16*>(smem + SM::kTib);
+  uint16_t* sTb = reinterpret_cast<uint16_t*>(smem + SM::kTib);
   float* sX = reinterpret_cast<float*>(smem + SM::kX);
   constexpr int ldf = SM::kLdF, ldh = SM::kLdH, ldt = SM::kLdT, ldtb = SM::kLdTb;
   constexpr int TPR = D / 8;                    // threads per row in the row-parallel phases
@@ -290,6 +353,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   const bool qk16 = a.l2norm != 0;  // fp16 q/k in smem when normalised, raw bf16 otherwise
   char* rec = a.records + (static_cast<int64_t>(blockIdx.x) * a.H + h) * ChunkRecord<D>::kBytes;
   const int c8 = (tid % TPR) * 8, rbase = tid / TPR;
+  if (tid < 4) sMax[tid] = 0;  // ordered before the atomics by the first __syncthreads
+  float vmax = 0.f, kmax = 0.f;
 
   // ---- 1. load and preprocess (all loads of a pass issued before use) ------------------------------
   const bool gated = a.gate_mode != kGatePrecomputed;
@@ -326,7 +391,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         xg[i] = gate_log_decay(a.gate_mode, xg[i], A_log_h, dtb[i], a.lower_bound) * kLog2e;
-        xv[i] *= b;
+        vmax = fmaxf(vmax, fabsf(xv[i]));
       }
     } else {
 #pragma unroll
@@ -351,6 +416,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
         xk[i] *= ik;
       }
     }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) kmax = fmaxf(kmax, fabsf(xk[i]));
     uint4 uq, uk;
     uq.x = pack_qk(xq[0], xq[1], qk16); uq.y = pack_qk(xq[2], xq[3], qk16);
     uq.z = pack_qk(xq[4], xq[5], qk16); uq.w = pack_qk(xq[6], xq[7], qk16);
@@ -360,7 +427,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     *reinterpret_cast<uint4*>(sK + r * ldh + c8) = uk;
     *reinterpret_cast<float4*>(sG + r * ldf + c8) = make_float4(xg[0], xg[1], xg[2], xg[3]);
     *reinterpret_cast<float4*>(sG + r * ldf + c8 + 4) = make_float4(xg[4], xg[5], xg[6], xg[7]);
-    store8_bf16(sVb + r * ldh + c8, xv);
+    store8_bf16(reinterpret_cast<bf16*>(sV + r * ldh + c8), xv);  // raw v (exact)
     if (c8 == 0) sB[r] = b;
   }
   __syncthreads();
@@ -369,6 +436,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
      // totals of the parts before it
     constexpr int P = kPrepareThreads / D, RP = kChunk / P;
     const int col = tid % D, part = tid / D;
+    atomicMax(&sMax[0], __float_as_int(vmax));  // non-negative floats order like their bits
+    atomicMax(&sMax[1], __float_as_int(kmax));
     float x[RP];
 #pragma unroll
     for (int i = 0; i < RP; ++i) x[i] = sG[(part * RP + i) * ldf + col];
@@ -431,7 +500,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
       if (I != J) {
         lk_block_mma<D>(sQ, sK, qk16, sG, sB, sL, rMQK, scale, I, J, 16 * I - 1, lane);
       } else if (!pairwise_diag) {
-        lk_block_mma<D>(sQ, sK, qk16, sG, sB, sL, rMQK, scale, I, J, 16 * I + 7, lane);
+        lk_block_diag_tf32<D>(sQ, sK, qk16, sG, sB, sL, rMQK, scale, I, lane);
       } else {
         lk_block_pairwise<D>(sQ, sK, qk16, sG, sB, sL, rMQK, scale, I, lane);
       }
@@ -439,23 +508,32 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   }
   __syncthreads();
 
-  // ---- 4. b kt over G, then T_inv = (I + L)^-1 over q and k ------------------------------------------
-  uint4 ktb[PASSES];
+  // ---- 4. kt over G, v to fp16, then T_inv = (I + L)^-1 over q and k ------------------------------
+  const int shift_v = pow2_shift(__int_as_float(sMax[0]), 8);  // |v 2^-shift_v| < 2^8
+  const int shift_k = pow2_shift(__int_as_float(sMax[1]), 0);  // |kt 2^-shift_k| < 1
+  uint4 ktv[PASSES];
 #pragma unroll
   for (int pass = 0; pass < PASSES; ++pass) {
     const int r = rbase + pass * RPP;
-    float xk[8];
+    float xk[8], xv[8];
     load8_qk(sK + r * ldh + c8, qk16, xk);
-    const float b = sB[r];
+    load8_qk(sV + r * ldh + c8, false, xv);
+    const float sk = pow2i(-shift_k), sv = pow2i(-shift_v);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) xk[i] *= b * fast_exp2(sG[r * ldf + c8 + i]);
-    ktb[pass] = make_uint4(pack_bf16(xk[0], xk[1]), pack_bf16(xk[2], xk[3]), pack_bf16(xk[4], xk[5]),
-                           pack_bf16(xk[6], xk[7]));
+    for (int i = 0; i < 8; ++i) {
+      xk[i] *= sk * fast_exp2(sG[r * ldf + c8 + i]);
+      xv[i] *= sv;
+    }
+    ktv[pass] = make_uint4(pack_f16(xk[0], xk[1]), pack_f16(xk[2], xk[3]), pack_f16(xk[4], xk[5]),
+                           pack_f16(xk[6], xk[7]));
+    // v is rewritten in place by the thread that wrote it in phase 1: no other thread reads it yet.
+    *reinterpret_cast<uint4*>(sV + r * ldh + c8) = make_uint4(
+        pack_f16(xv[0], xv[1]), pack_f16(xv[2], xv[3]), pack_f16(xv[4], xv[5]), pack_f16(xv[6], xv[7]));
   }
   __syncthreads();
 #pragma unroll
   for (int pass = 0; pass < PASSES; ++pass) {
-    *reinterpret_cast<uint4*>(sKtb + (rbase + pass * RPP) * ldh + c8) = ktb[pass];
+    *reinterpret_cast<uint4*>(sKt + (rbase + pass * RPP) * ldh + c8) = ktv[pass];
   }
   if (warp < 4 && lane < 16) {  // diagonal blocks by forward substitution, one column per lane
     const int I = warp, cc = lane;
@@ -474,35 +552,55 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   tinv_level<D, 1>(sL, sTi, sX, tid);
   tinv_level<D, 2>(sL, sTi, sX, tid);
   tinv_level<D, 3>(sL, sTi, sX, tid);
-  for (int e = tid; e < kChunk * kChunk / 2; e += kPrepareThreads) {
-    const int i = e / (kChunk / 2), j = (e % (kChunk / 2)) * 2;
-    const bool upper = (j / 16) > (i / 16);  // never written: zero
-    *reinterpret_cast<uint32_t*>(sTib + i * ldtb + j) =
-        upper ? 0u : pack_bf16(sTi[i * ldt + j], sTi[i * ldt + j + 1]);
+  {  // Tb = T_inv diag(b) 2^-shift_t in fp16 (upper blocks were never written: zero)
+    float tmax = 0.f;
+    for (int e = tid; e < kChunk * kChunk; e += kPrepareThreads) {
+      const int i = e / kChunk, j = e % kChunk;
+      if ((j / 16) <= (i / 16)) tmax = fmaxf(tmax, fabsf(sTi[i * ldt + j] * sB[j]));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, o));
+    if (lane == 0) atomicMax(&sMax[2], __float_as_int(tmax));
+  }
+  __syncthreads();
+  const int shift_t = pow2_shift(__int_as_float(sMax[2]), 1);  // |Tb 2^-shift_t| < 2
+  {
+    const float st = pow2i(-shift_t);
+    for (int e = tid; e < kChunk * kChunk / 2; e += kPrepareThreads) {
+      const int i = e / (kChunk / 2), j = (e % (kChunk / 2)) * 2;
+      const bool upper = (j / 16) > (i / 16);
+      *reinterpret_cast<uint32_t*>(sTb + i * ldtb + j) =
+          upper ? 0u : pack_f16(sTi[i * ldt + j] * sB[j] * st, sTi[i * ldt + j + 1] * sB[j + 1] * st);
+    }
   }
   __syncthreads();
 
-  // ---- 5. W = T_inv (b kt) [C x D] and UT = (T_inv (b v))^T [D x C] ---------------------------------
+  // ---- 5. W = Tb kt [C x D] and UT = (Tb v)^T [D x C] (fp16 mma, shifts undone / recorded) -------------
   const int g = lane >> 2, t = lane & 3;
+  const float w_unscale = pow2i(shift_t + shift_k);
+  if (tid == 0) *reinterpret_cast<int*>(rec + ChunkRecord<D>::kUtShift) = shift_t + shift_v;
+  __half* rUTh = reinterpret_cast<__half*>(rUT);
   for (int u = warp; u < 4 * (D / 64); u += kPrepareThreads / 32) {
     const int I = u % 4, ng = u / 4;
     float acc[8][4] = {};
     for (int s = 0; s <= I; ++s) {
       uint32_t af[4];
-      load_a_frag(af, sTib, ldtb, 16 * I, 16 * s, lane);
+      load_a_frag(af, reinterpret_cast<const bf16*>(sTb), ldtb, 16 * I, 16 * s, lane);
 #pragma unroll
       for (int p = 0; p < 4; ++p) {
         uint32_t bf[4];
-        load_b_frag_kn(bf, sKtb, ldh, 64 * ng + 16 * p, 16 * s, lane);
-        mma_bf16(acc[2 * p], af, bf[0], bf[1]);
-        mma_bf16(acc[2 * p + 1], af, bf[2], bf[3]);
+        load_b_frag_kn(bf, reinterpret_cast<const bf16*>(sKt), ldh, 64 * ng + 16 * p, 16 * s, lane);
+        mma_f16(acc[2 * p], af, bf[0], bf[1]);
+        mma_f16(acc[2 * p + 1], af, bf[2], bf[3]);
       }
     }
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
       const int col = 64 * ng + 8 * nt + 2 * t;
-      *reinterpret_cast<uint32_t*>(rW + (16 * I + g) * D + col) = pack_bf16(acc[nt][0], acc[nt][1]);
-      *reinterpret_cast<uint32_t*>(rW + (16 * I + g + 8) * D + col) = pack_bf16(acc[nt][2], acc[nt][3]);
+      *reinterpret_cast<uint32_t*>(rW + (16 * I + g) * D + col) =
+          pack_bf16(acc[nt][0] * w_unscale, acc[nt][1] * w_unscale);
+      *reinterpret_cast<uint32_t*>(rW + (16 * I + g + 8) * D + col) =
+          pack_bf16(acc[nt][2] * w_unscale, acc[nt][3] * w_unscale);
     }
   }
   for (int u = warp; u < (D / 16) * 2; u += kPrepareThreads / 32) {
@@ -511,20 +609,20 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     const int ksteps = nh ? 4 : 2;  // T_inv^T(r', r) = 0 for r' > r
     for (int s = 0; s < ksteps; ++s) {
       uint32_t af[4];
-      load_a_frag_trans(af, sVb, ldh, 16 * mt, 16 * s, lane);
+      load_a_frag_trans(af, reinterpret_cast<const bf16*>(sV), ldh, 16 * mt, 16 * s, lane);
 #pragma unroll
       for (int p = 0; p < 2; ++p) {
         uint32_t bf[4];
-        load_b_frag_nk(bf, sTib, ldtb, 32 * nh + 16 * p, 16 * s, lane);
-        mma_bf16(acc[2 * p], af, bf[0], bf[1]);
-        mma_bf16(acc[2 * p + 1], af, bf[2], bf[3]);
+        load_b_frag_nk(bf, reinterpret_cast<const bf16*>(sTb), ldtb, 32 * nh + 16 * p, 16 * s, lane);
+        mma_f16(acc[2 * p], af, bf[0], bf[1]);
+        mma_f16(acc[2 * p + 1], af, bf[2], bf[3]);
       }
     }
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
       const int col = 32 * nh + 8 * nt + 2 * t;
-      *reinterpret_cast<uint32_t*>(rUT + (16 * mt + g) * kChunk + col) = pack_bf16(acc[nt][0], acc[nt][1]);
-      *reinterpret_cast<uint32_t*>(rUT + (16 * mt + g + 8) * kChunk + col) = pack_bf16(acc[nt][2], acc[nt][3]);
+      *reinterpret_cast<uint32_t*>(rUTh + (16 * mt + g) * kChunk + col) = pack_f16(acc[nt][0], acc[nt][1]);
+      *reinterpret_cast<uint32_t*>(rUTh + (16 * mt + g + 8) * kChunk + col) = pack_f16(acc[nt][2], acc[nt][3]);
     }
   }
 }

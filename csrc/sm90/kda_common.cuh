@@ -49,7 +49,8 @@ struct PrefillArgs {
   int B, T, H, N;                 // T: tokens per batch row (all tokens when varlen, B == 1)
   int gate_mode, l2norm, beta_sigmoid;
   float scale, lower_bound;
-  int vec_q, vec_k, vec_v, vec_g, vec_out;  // 16-byte aligned rows: vector loads/stores allowed
+  int vec_q, vec_k, vec_v, vec_g, vec_out;
+  int split_state;  // state as hi + lo bf16 operands in the state products (see state_recurrence)  // 16-byte aligned rows: vector loads/stores allowed
   char* records;  // workspace: one ChunkRecord per (slot, head)
   int* error_word;
   int64_t num_slots;  // chunk slots per head
@@ -139,9 +140,10 @@ __device__ inline int64_t state_row(const PrefillArgs& a, int64_t n) {
 //   W   [C][K]  = T_inv diag(b) (k * exp(G))
 //   QT  [C][K]  = scale * q * exp(G)
 //   KD  [C][K]  = k * exp(G_last - G)
-//   UT  [V][C]  = (T_inv diag(b) v)^T
+//   UT  [V][C]  fp16 = (T_inv diag(b) v)^T * 2^-UT_SHIFT (the shift keeps it in fp16 range)
 //   MQK [C][C]  = lower_incl(qt @ kb^T) (scale included)
 //   GAMMA [K] fp32 = exp(G_last)
+//   UT_SHIFT int32 (in a 128-byte tail)
 // ---------------------------------------------------------------------------------------------
 template <int D>
 struct ChunkRecord {
@@ -151,7 +153,8 @@ struct ChunkRecord {
   static constexpr int kUT = kKD + kChunk * D * 2;
   static constexpr int kMQK = kUT + D * kChunk * 2;
   static constexpr int kGamma = kMQK + kChunk * kChunk * 2;
-  static constexpr int kBytes = kGamma + D * 4;
+  static constexpr int kUtShift = kGamma + D * 4;
+  static constexpr int kBytes = kUtShift + 128;
   static_assert(kBytes % 128 == 0, "records must keep 128-byte alignment");
 };
 
@@ -174,6 +177,41 @@ __device__ inline void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t 
       "{%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Same with fp16 inputs (used where operands are bounded by a per-chunk power-of-two scale).
+__device__ inline void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// D = A(16x8, row) * B(8x8, col) + D in tf32 (fp32 range, 10-bit mantissa).
+__device__ inline void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ inline uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+
+// 2^e as a float, for |e| <= 126 (exact scaling).
+__device__ inline float pow2i(int e) { return __int_as_float((127 + e) << 23); }
+
+// The power-of-two shift s with m * 2^-s < 2^target (m >= 0); 0 for m == 0.
+__device__ inline int pow2_shift(float m, int target) {
+  if (!(m > 0.f)) return 0;
+  int e = ((__float_as_int(m) >> 23) & 0xff) - 127;  // floor(log2 m) for normal m
+  int s = e + 1 - target;
+  return s < -60 ? -60 : (s > 60 ? 60 : s);
 }
 
 __device__ inline void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {

@@ -12,6 +12,8 @@
 // + output tile 17 KB: about 174 KB.
 #pragma once
 
+#include <cuda_fp16.h>
+
 #include "sm90/kda_common.cuh"
 
 namespace flashkda {
@@ -29,7 +31,8 @@ struct RecurrenceSmem {
   static constexpr int kMQK = kKD + kChunk * kLdH * 2;
   static constexpr int kUT = kMQK + kChunk * kLdC * 2;
   static constexpr int kGamma = kUT + kVs * kLdC * 2;
-  static constexpr int kStage = kGamma + D * 4;
+  static constexpr int kShift = kGamma + D * 4;  // UT shift (int32), padded to 16 bytes
+  static constexpr int kStage = kShift + 16;
   static constexpr int kOut = 2 * kStage;
   static constexpr int kBytes = kOut + kChunk * kLdO * 2;
   static_assert(kStage % 16 == 0, "stage alignment");
@@ -55,10 +58,12 @@ __device__ inline void load_record_async(const char* rec, unsigned char* stage, 
     const int r = e / 8, c8 = (e % 8) * 8;
     cp_async_16(stage + SM::kUT + (r * SM::kLdC + c8) * 2, rec + R::kUT + ((v0 + r) * kChunk + c8) * 2);
   }
-  for (int e = tid; e < D / 4; e += kThreads) cp_async_16(stage + SM::kGamma + e * 16, rec + R::kGamma + e * 16);
+  for (int e = tid; e < D / 4 + 1; e += kThreads) cp_async_16(stage + SM::kGamma + e * 16, rec + R::kGamma + e * 16);
 }
 
-template <int D, int NW>
+// kSplitState: the state enters the S W^T and S QT^T products as two bf16 operands (hi + lo), so
+// it is carried at ~16 mantissa bits there instead of 8 (twice those mma's).
+template <int D, int NW, bool kSplitState>
 __global__ void __launch_bounds__(32 * NW, 1) state_recurrence_kernel(const PrefillArgs a) {
   static_assert(D == 64 || D == 128, "head dim");
   static_assert(16 * NW <= D && D % (16 * NW) == 0, "state slices must tile V");
@@ -125,28 +130,34 @@ __global__ void __launch_bounds__(32 * NW, 1) state_recurrence_kernel(const Pref
     const bf16* sMQK = reinterpret_cast<const bf16*>(stage + SM::kMQK);
     const bf16* sUT = reinterpret_cast<const bf16*>(stage + SM::kUT);
     const float* sGamma = reinterpret_cast<const float*>(stage + SM::kGamma);
+    const float ut_scale = pow2i(*reinterpret_cast<const int*>(stage + SM::kShift));
 
     // VnT = UT - S W^T and OT = S QT^T share the A operand (the state, as bf16).
     float vn[8][4], o[8][4];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const int col = 8 * j + 2 * t;
-      const float2 u0 = __bfloat1622float2(
-          *reinterpret_cast<const __nv_bfloat162*>(sUT + (16 * warp + g) * SM::kLdC + col));
-      const float2 u1 = __bfloat1622float2(
-          *reinterpret_cast<const __nv_bfloat162*>(sUT + (16 * warp + g + 8) * SM::kLdC + col));
-      vn[j][0] = u0.x; vn[j][1] = u0.y; vn[j][2] = u1.x; vn[j][3] = u1.y;
+      const float2 u0 = __half22float2(*reinterpret_cast<const __half2*>(sUT + (16 * warp + g) * SM::kLdC + col));
+      const float2 u1 = __half22float2(*reinterpret_cast<const __half2*>(sUT + (16 * warp + g + 8) * SM::kLdC + col));
+      vn[j][0] = u0.x * ut_scale; vn[j][1] = u0.y * ut_scale;
+      vn[j][2] = u1.x * ut_scale; vn[j][3] = u1.y * ut_scale;
       o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
     }
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
-      uint32_t sa[4], sn[4];
-      sa[0] = pack_bf16(s[2 * ks][0], s[2 * ks][1]);
-      sa[1] = pack_bf16(s[2 * ks][2], s[2 * ks][3]);
-      sa[2] = pack_bf16(s[2 * ks + 1][0], s[2 * ks + 1][1]);
-      sa[3] = pack_bf16(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+      uint32_t sa[4], sn[4], la[4], ln[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) sn[i] = sa[i] ^ 0x80008000u;  // -S, exactly
+      for (int i = 0; i < 4; ++i) {
+        const float* e = &s[2 * ks + (i >> 1)][2 * (i & 1)];
+        sa[i] = pack_bf16(e[0], e[1]);
+        sn[i] = sa[i] ^ 0x80008000u;  // -S, exactly
+        if constexpr (kSplitState) {
+          const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&sa[i]);
+          const float2 hf = __bfloat1622float2(hi);
+          la[i] = pack_bf16(e[0] - hf.x, e[1] - hf.y);
+          ln[i] = la[i] ^ 0x80008000u;
+        }
+      }
 #pragma unroll
       for (int p = 0; p < 4; ++p) {
         uint32_t bw[4], bq[4];
@@ -156,6 +167,12 @@ __global__ void __launch_bounds__(32 * NW, 1) state_recurrence_kernel(const Pref
         mma_bf16(vn[2 * p + 1], sn, bw[2], bw[3]);
         mma_bf16(o[2 * p], sa, bq[0], bq[1]);
         mma_bf16(o[2 * p + 1], sa, bq[2], bq[3]);
+        if constexpr (kSplitState) {
+          mma_bf16(vn[2 * p], ln, bw[0], bw[1]);
+          mma_bf16(vn[2 * p + 1], ln, bw[2], bw[3]);
+          mma_bf16(o[2 * p], la, bq[0], bq[1]);
+          mma_bf16(o[2 * p + 1], la, bq[2], bq[3]);
+        }
       }
     }
     // VnT as bf16 A fragments (k = token).
