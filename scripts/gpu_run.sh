@@ -34,9 +34,6 @@ if [ "${NCU:-0}" = 1 ]; then
   ncu --clock-control none -k regex:state_recurrence -c 1 --section SpeedOfLight --section Occupancy \
     --section WarpStateStats python3 scripts/profile_case.py 2 2>&1 | tail -80
 fi
-if [ "${SPLIT_AB:-0}" = 1 ]; then
-  for v in 0 1; do FLASHKDA_STATE_SPLIT=$v python3 bench/bench_prefill.py --no-fla --cases 2 --iters 10 | grep -E "numerics|ours "; done
-fi
 BARGS=""
 [ "$MODE" = quick ] && BARGS="--no-fla"
 python3 bench/bench_prefill.py --json "$OUT/bench.json" --md "$OUT/benchmarks.md" $BARGS ${BENCH_ARGS:-}

@@ -4,7 +4,6 @@
 
 #include <atomic>
 #include <cmath>
-#include <cstdlib>
 #include <cstdint>
 #include <string>
 
@@ -26,16 +25,6 @@ constexpr int kMaxDevices = 64;
 std::atomic<int> g_support[kMaxDevices];
 std::atomic<int> g_num_sms[kMaxDevices];
 std::atomic<int> g_cc[kMaxDevices];
-
-// The state enters the tensor-core products as hi + lo bf16 unless FLASHKDA_STATE_SPLIT=0 (an
-// experiment switch: half the state-product mma's, measurably larger error).
-bool state_split_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("FLASHKDA_STATE_SPLIT");
-    return !(e != nullptr && e[0] == '0');
-  }();
-  return on;
-}
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
@@ -144,7 +133,6 @@ Status run_prefill_cuda(const PrefillParams& p, const ProblemShape& shape, void*
   a.error_word = static_cast<int*>(workspace);
   a.records = static_cast<char*>(workspace) + kWorkspaceHeaderBytes;
   a.num_slots = sm90::num_chunk_slots(shape.varlen, shape.B, shape.T, shape.N);
-  a.split_state = state_split_enabled();
 
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   cudaError_t e = cudaMemsetAsync(workspace, 0, sizeof(int32_t), s);

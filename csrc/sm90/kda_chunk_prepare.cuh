@@ -358,7 +358,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
 
   // ---- 1. load and preprocess (all loads of a pass issued before use) ------------------------------
   const bool gated = a.gate_mode != kGatePrecomputed;
-  const float A_log_h = gated ? a.A_log[h] : 0.f;
+  const float expA_h = gated ? expf(a.A_log[h]) : 0.f;
   float dtb[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) dtb[i] = gated ? a.dt_bias[h * D + c8 + i] : 0.f;
@@ -390,7 +390,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
       b = a.beta_sigmoid ? sigmoidf_(braw) : braw;
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        xg[i] = gate_log_decay(a.gate_mode, xg[i], A_log_h, dtb[i], a.lower_bound) * kLog2e;
+        xg[i] = gate_log_decay(a.gate_mode, xg[i], expA_h, dtb[i], a.lower_bound) * kLog2e;
         vmax = fmaxf(vmax, fabsf(xv[i]));
       }
     } else {
@@ -492,17 +492,20 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
 
   // ---- 3. L and MQK blocks ---------------------------------------------------------------------
   {
-    constexpr int kBlocks = 10;
-    // (I, J) of block q in 4-bit fields: I = {3,3,3,2,2,1,3,2,1,0}, J = {0,1,2,0,1,0,3,2,1,0}.
-    constexpr uint64_t kBlockI = 0x123122333ull, kBlockJ = 0x123010210ull;
-    for (int q = warp; q < kBlocks; q += kPrepareThreads / 32) {
-      const int I = static_cast<int>((kBlockI >> (4 * q)) & 15), J = static_cast<int>((kBlockJ >> (4 * q)) & 15);
-      if (I != J) {
-        lk_block_mma<D>(sQ, sK, qk16, sG, sB, sL, rMQK, scale, I, J, 16 * I - 1, lane);
-      } else if (!pairwise_diag) {
-        lk_block_diag_tf32<D>(sQ, sK, qk16, sG, sB, sL, rMQK, scale, I, lane);
+    // Warps 0-3: diagonal block I = warp (tf32: about twice an off-diagonal block).  Warps 4-7: the
+    // six off-diagonal blocks, two for warps 4 and 5: (3,0) (1,0) | (3,1) (2,0) | (3,2) | (2,1).
+    if (warp < 4) {
+      if (!pairwise_diag) {
+        lk_block_diag_tf32<D>(sQ, sK, qk16, sG, sB, sL, rMQK, scale, warp, lane);
       } else {
-        lk_block_pairwise<D>(sQ, sK, qk16, sG, sB, sL, rMQK, scale, I, lane);
+        lk_block_pairwise<D>(sQ, sK, qk16, sG, sB, sL, rMQK, scale, warp, lane);
+      }
+    } else {
+      // (I, J) of off-diagonal block q in 4-bit fields: I = {3,3,3,2,1,2}, J = {0,1,2,1,0,0}.
+      constexpr uint32_t kOffI = 0x212333u, kOffJ = 0x001210u;
+      for (int q = warp - 4; q < 6; q += 4) {
+        const int I = static_cast<int>((kOffI >> (4 * q)) & 15), J = static_cast<int>((kOffJ >> (4 * q)) & 15);
+        lk_block_mma<D>(sQ, sK, qk16, sG, sB, sL, rMQK, scale, I, J, 16 * I - 1, lane);
       }
     }
   }

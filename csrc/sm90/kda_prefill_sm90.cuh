@@ -24,7 +24,7 @@ inline bool use_wide_state_blocks(int64_t N, int64_t H, int num_sms) { return N 
 template <int D, int NW>
 Status launch_recurrence(const PrefillArgs& a, cudaStream_t stream) {
   using SM = RecurrenceSmem<D, NW>;
-  auto kernel = a.split_state ? state_recurrence_kernel<D, NW, true> : state_recurrence_kernel<D, NW, false>;
+  auto kernel = state_recurrence_kernel<D, NW>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SM::kBytes);
   if (e != cudaSuccess) return cuda_status(e, "state_recurrence smem attribute");
   dim3 grid(static_cast<unsigned>(a.N), static_cast<unsigned>(a.H), D / SM::kVs);

@@ -61,9 +61,7 @@ __device__ inline void load_record_async(const char* rec, unsigned char* stage, 
   for (int e = tid; e < D / 4 + 1; e += kThreads) cp_async_16(stage + SM::kGamma + e * 16, rec + R::kGamma + e * 16);
 }
 
-// kSplitState: the state enters the S W^T and S QT^T products as two bf16 operands (hi + lo), so
-// it is carried at ~16 mantissa bits there instead of 8 (twice those mma's).
-template <int D, int NW, bool kSplitState>
+template <int D, int NW>
 __global__ void __launch_bounds__(32 * NW, 1) state_recurrence_kernel(const PrefillArgs a) {
   static_assert(D == 64 || D == 128, "head dim");
   static_assert(16 * NW <= D && D % (16 * NW) == 0, "state slices must tile V");
@@ -145,18 +143,12 @@ __global__ void __launch_bounds__(32 * NW, 1) state_recurrence_kernel(const Pref
     }
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
-      uint32_t sa[4], sn[4], la[4], ln[4];
+      uint32_t sa[4], sn[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const float* e = &s[2 * ks + (i >> 1)][2 * (i & 1)];
         sa[i] = pack_bf16(e[0], e[1]);
         sn[i] = sa[i] ^ 0x80008000u;  // -S, exactly
-        if constexpr (kSplitState) {
-          const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&sa[i]);
-          const float2 hf = __bfloat1622float2(hi);
-          la[i] = pack_bf16(e[0] - hf.x, e[1] - hf.y);
-          ln[i] = la[i] ^ 0x80008000u;
-        }
       }
 #pragma unroll
       for (int p = 0; p < 4; ++p) {
@@ -167,12 +159,6 @@ __global__ void __launch_bounds__(32 * NW, 1) state_recurrence_kernel(const Pref
         mma_bf16(vn[2 * p + 1], sn, bw[2], bw[3]);
         mma_bf16(o[2 * p], sa, bq[0], bq[1]);
         mma_bf16(o[2 * p + 1], sa, bq[2], bq[3]);
-        if constexpr (kSplitState) {
-          mma_bf16(vn[2 * p], ln, bw[0], bw[1]);
-          mma_bf16(vn[2 * p + 1], ln, bw[2], bw[3]);
-          mma_bf16(o[2 * p], la, bq[0], bq[1]);
-          mma_bf16(o[2 * p + 1], la, bq[2], bq[3]);
-        }
       }
     }
     // VnT as bf16 A fragments (k = token).
