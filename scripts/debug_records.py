@@ -32,12 +32,13 @@ def record_views(ws: torch.Tensor, slot: int, h: int, H: int, D: int):
 
     W = take(C * D * 2, torch.bfloat16, (C, D))
     QT = take(C * D * 2, torch.bfloat16, (C, D))
-    KD = take(C * D * 2, torch.bfloat16, (C, D))
+    KD = take(C * D * 2, torch.float16, (C, D))
     UT = take(D * C * 2, torch.float16, (D, C))
-    MQK = take(C * C * 2, torch.bfloat16, (C, C))
+    MQK = take(C * C * 2, torch.float16, (C, C))
     gamma = take(D * 4, torch.float32, (D,))
-    shift = int(take(4, torch.int32, (1,)).item())
-    return dict(W=W, QT=QT, KD=KD, UT=UT.double() * 2.0 ** shift, MQK=MQK, gamma=gamma)
+    ut_s, mqk_s, kd_s = (int(x) for x in take(12, torch.int32, (3,)).tolist())
+    return dict(W=W, QT=QT, KD=KD.double() * 2.0 ** kd_s, UT=UT.double() * 2.0 ** ut_s,
+                MQK=MQK.double() * 2.0 ** mqk_s, gamma=gamma)
 
 
 def expected_records(q, k, v, a, b, scale):

@@ -7,8 +7,8 @@
 //      that hold a row), gate -> log decay (log2 units), beta; cumulative decay G by a two-level scan.
 //      q and k are kept as fp16 when l2-normalised (|x| <= 1: 8x finer than bf16) and as the raw bf16
 //      otherwise (exact).
-//   2. write QT = scale q 2^G, KD = k 2^(G_last - G), gamma = 2^G_last to the chunk record.  Every
-//      exponent here is <= 0.
+//   2. write QT = scale q 2^G, KD = k 2^(G_last - G) (fp16, shifted), gamma = 2^G_last to the chunk
+//      record.  Every exponent here is <= 0.
 //   3. L = strict_lower(diag(b) kt kb^T) and MQK = lower_incl(qt kb^T) on tensor cores, per 16x16
 //      block (I, J).  Off-diagonal blocks use the reference row 16I-1 (the row before block I):
 //      A = k_i 2^(G_i - G_ref), B = k_j 2^(G_ref - G_j), both <= 1 for any gate.  Diagonal blocks use
@@ -47,8 +47,9 @@ struct PrepareSmem {
   static constexpr int kL = kV + kChunk * kLdH * 2;     // fp32 L [C][kLdT]
   static constexpr int kB = kL + kChunk * kLdT * 4;     // fp32 b [C]
   static constexpr int kTot = kB + kChunk * 4;          // fp32 scan partial sums [4][D]
-  static constexpr int kMax = kTot + 4 * D * 4;         // int-encoded maxima: |v|, |k|, |T_inv b|
-  static constexpr int kEnd = kMax + 16;
+  // int-encoded maxima: |v|, |k|, |T_inv b|, |q_row|^2, |k_row|^2
+  static constexpr int kMax = kTot + 4 * D * 4;
+  static constexpr int kEnd = kMax + 32;
   // Phase 4+ aliases (q, k and G are dead by then).  T_inv goes over q and k when they are large
   // enough (D = 128), else after everything (D = 64, where shared memory is plentiful).
   static constexpr int kTinvBytes = kChunk * kLdT * 4 + kChunk * kLdTb * 2 + 3 * 16 * 17 * 4;
@@ -131,11 +132,6 @@ __device__ inline float load_qk1(const uint16_t* p, bool fp16) {
   return __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(&u));
 }
 
-__device__ inline uint32_t pack_f16(float lo, float hi) {
-  __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
 __device__ inline void load8_qk(const uint16_t* p, bool fp16, float (&x)[8]) {
   const uint4 u = *reinterpret_cast<const uint4*>(p);
   const uint32_t w[4] = {u.x, u.y, u.z, u.w};
@@ -152,7 +148,8 @@ __device__ inline void load8_qk(const uint16_t* p, bool fp16, float (&x)[8]) {
   }
 }
 
-// Writes block (I, J) of L (fp32, smem) and MQK (bf16, record) from mma accumulators (2 n-tiles).
+// Writes block (I, J) of L (fp32, smem) and MQK (fp16, record; `scale` includes MQK's shift) from
+// mma accumulators (2 n-tiles).
 template <int D>
 __device__ inline void store_lk_block(const float (&accL)[2][4], const float (&accM)[2][4], const float* sB,
                                       float* sL, bf16* mqk, float scale, int I, int J, int lane) {
@@ -169,7 +166,7 @@ __device__ inline void store_lk_block(const float (&accL)[2][4], const float (&a
       sL[i * PrepareSmem<D>::kLdT + j + 1] = l1;
       const float m0 = (j <= i) ? scale * accM[nt][2 * hh] : 0.f;
       const float m1 = (j + 1 <= i) ? scale * accM[nt][2 * hh + 1] : 0.f;
-      *reinterpret_cast<uint32_t*>(mqk + i * kChunk + j) = pack_bf16(m0, m1);
+      *reinterpret_cast<uint32_t*>(mqk + i * kChunk + j) = pack_f16(m0, m1);
     }
   }
 }
@@ -283,7 +280,7 @@ __device__ inline void lk_block_pairwise(const uint16_t* sQ, const uint16_t* sK,
       }
       if (lane == 0) {
         sL[i * PrepareSmem<D>::kLdT + j] = (jj < ii) ? sB[i] * pl : 0.f;
-        mqk[i * kChunk + j] = __float2bfloat16_rn((jj <= ii) ? scale * pm : 0.f);
+        reinterpret_cast<__half*>(mqk)[i * kChunk + j] = __float2half_rn((jj <= ii) ? scale * pm : 0.f);
       }
     }
   }
@@ -353,8 +350,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   const bool qk16 = a.l2norm != 0;  // fp16 q/k in smem when normalised, raw bf16 otherwise
   char* rec = a.records + (static_cast<int64_t>(blockIdx.x) * a.H + h) * ChunkRecord<D>::kBytes;
   const int c8 = (tid % TPR) * 8, rbase = tid / TPR;
-  if (tid < 4) sMax[tid] = 0;  // ordered before the atomics by the first __syncthreads
-  float vmax = 0.f, kmax = 0.f;
+  if (tid < 8) sMax[tid] = 0;  // ordered before the atomics by the first __syncthreads
+  float vmax = 0.f, kmax = 0.f, qn2max = 0.f, kn2max = 0.f;
 
   // ---- 1. load and preprocess (all loads of a pass issued before use) ------------------------------
   const bool gated = a.gate_mode != kGatePrecomputed;
@@ -397,18 +394,20 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
 #pragma unroll
       for (int i = 0; i < 8; ++i) xq[i] = xk[i] = xg[i] = xv[i] = 0.f;
     }
-    if (qk16) {  // x / sqrt(sum x^2 + 1e-6); the TPR lanes of a row are adjacent
-      float sq = 0.f, sk = 0.f;
+    float sq = 0.f, sk = 0.f;  // row norms^2; the TPR lanes of a row are adjacent
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        sq += xq[i] * xq[i];
-        sk += xk[i] * xk[i];
-      }
+    for (int i = 0; i < 8; ++i) {
+      sq += xq[i] * xq[i];
+      sk += xk[i] * xk[i];
+    }
 #pragma unroll
-      for (int o = TPR / 2; o > 0; o >>= 1) {
-        sq += __shfl_xor_sync(0xffffffffu, sq, o);
-        sk += __shfl_xor_sync(0xffffffffu, sk, o);
-      }
+    for (int o = TPR / 2; o > 0; o >>= 1) {
+      sq += __shfl_xor_sync(0xffffffffu, sq, o);
+      sk += __shfl_xor_sync(0xffffffffu, sk, o);
+    }
+    qn2max = fmaxf(qn2max, qk16 ? 1.f : sq);
+    kn2max = fmaxf(kn2max, qk16 ? 1.f : sk);
+    if (qk16) {  // x / sqrt(sum x^2 + 1e-6)
       const float iq = rsqrtf(sq + 1e-6f), ik = rsqrtf(sk + 1e-6f);
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
@@ -438,6 +437,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     const int col = tid % D, part = tid / D;
     atomicMax(&sMax[0], __float_as_int(vmax));  // non-negative floats order like their bits
     atomicMax(&sMax[1], __float_as_int(kmax));
+    atomicMax(&sMax[3], __float_as_int(qn2max));
+    atomicMax(&sMax[4], __float_as_int(kn2max));
     float x[RP];
 #pragma unroll
     for (int i = 0; i < RP; ++i) x[i] = sG[(part * RP + i) * ldf + col];
@@ -459,6 +460,16 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   bf16* rUT = reinterpret_cast<bf16*>(rec + ChunkRecord<D>::kUT);
   bf16* rMQK = reinterpret_cast<bf16*>(rec + ChunkRecord<D>::kMQK);
   float* rGamma = reinterpret_cast<float*>(rec + ChunkRecord<D>::kGamma);
+  // KD and MQK are stored in fp16 with power-of-two shifts: |KD| <= max|k| and
+  // |MQK| <= scale |q_i| |k_j| (every decay factor is <= 1), so these bounds never overflow.
+  const int shift_d = pow2_shift(__int_as_float(sMax[1]), 0);
+  const int shift_m =
+      pow2_shift(scale * sqrtf(__int_as_float(sMax[3])) * sqrtf(__int_as_float(sMax[4])), 14);
+  const float kd_scale = pow2i(-shift_d), mqk_scale = scale * pow2i(-shift_m);
+  if (tid == 0) {
+    reinterpret_cast<int*>(rec + ChunkRecord<D>::kUtShift)[1] = shift_m;
+    reinterpret_cast<int*>(rec + ChunkRecord<D>::kUtShift)[2] = shift_d;
+  }
   int over = 0;
   if (tid < D) {
     rGamma[tid] = fast_exp2(sG[(kChunk - 1) * ldf + tid]);
@@ -478,10 +489,11 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     for (int i = 0; i < 8; ++i) {
       const float gg = sG[r * ldf + c8 + i], gl = sG[(kChunk - 1) * ldf + c8 + i];
       xq[i] = scale * xq[i] * fast_exp2(gg);
-      xd[i] = xk[i] * fast_exp2(gl - gg);
+      xd[i] = xk[i] * fast_exp2(gl - gg) * kd_scale;
     }
     store8_bf16(rQT + r * D + c8, xq);
-    store8_bf16(rKD + r * D + c8, xd);
+    *reinterpret_cast<uint4*>(rKD + r * D + c8) = make_uint4(
+        pack_f16(xd[0], xd[1]), pack_f16(xd[2], xd[3]), pack_f16(xd[4], xd[5]), pack_f16(xd[6], xd[7]));
   }
   // Upper blocks of MQK are zero (the state pass multiplies the whole 64x64 tile).
   for (int e = tid; e < kChunk * kChunk / 8; e += kPrepareThreads) {
@@ -496,16 +508,16 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     // six off-diagonal blocks, two for warps 4 and 5: (3,0) (1,0) | (3,1) (2,0) | (3,2) | (2,1).
     if (warp < 4) {
       if (!pairwise_diag) {
-        lk_block_diag_tf32<D>(sQ, sK, qk16, sG, sB, sL, rMQK, scale, warp, lane);
+        lk_block_diag_tf32<D>(sQ, sK, qk16, sG, sB, sL, rMQK, mqk_scale, warp, lane);
       } else {
-        lk_block_pairwise<D>(sQ, sK, qk16, sG, sB, sL, rMQK, scale, warp, lane);
+        lk_block_pairwise<D>(sQ, sK, qk16, sG, sB, sL, rMQK, mqk_scale, warp, lane);
       }
     } else {
       // (I, J) of off-diagonal block q in 4-bit fields: I = {3,3,3,2,1,2}, J = {0,1,2,1,0,0}.
       constexpr uint32_t kOffI = 0x212333u, kOffJ = 0x001210u;
       for (int q = warp - 4; q < 6; q += 4) {
         const int I = static_cast<int>((kOffI >> (4 * q)) & 15), J = static_cast<int>((kOffJ >> (4 * q)) & 15);
-        lk_block_mma<D>(sQ, sK, qk16, sG, sB, sL, rMQK, scale, I, J, 16 * I - 1, lane);
+        lk_block_mma<D>(sQ, sK, qk16, sG, sB, sL, rMQK, mqk_scale, I, J, 16 * I - 1, lane);
       }
     }
   }

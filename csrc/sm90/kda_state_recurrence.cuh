@@ -128,7 +128,8 @@ __global__ void __launch_bounds__(32 * NW, 1) state_recurrence_kernel(const Pref
     const bf16* sMQK = reinterpret_cast<const bf16*>(stage + SM::kMQK);
     const bf16* sUT = reinterpret_cast<const bf16*>(stage + SM::kUT);
     const float* sGamma = reinterpret_cast<const float*>(stage + SM::kGamma);
-    const float ut_scale = pow2i(*reinterpret_cast<const int*>(stage + SM::kShift));
+    const int* shifts = reinterpret_cast<const int*>(stage + SM::kShift);  // UT, MQK, KD
+    const float ut_scale = pow2i(shifts[0]);
 
     // VnT = UT - S W^T and OT = S QT^T share the A operand (the state, as bf16).
     float vn[8][4], o[8][4];
@@ -161,31 +162,57 @@ __global__ void __launch_bounds__(32 * NW, 1) state_recurrence_kernel(const Pref
         mma_bf16(o[2 * p + 1], sa, bq[2], bq[3]);
       }
     }
-    // VnT as bf16 A fragments (k = token).
+    // VnT enters the two remaining products as an fp16 A operand, shifted by a power of two (per
+    // warp and chunk) so that |VnT'| < 2^14; MQK and KD come shifted from the record.  The fp32
+    // accumulators are rescaled around those products, exactly.
+    float vmax = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      vmax = fmaxf(vmax, fmaxf(fmaxf(fabsf(vn[j][0]), fabsf(vn[j][1])), fmaxf(fabsf(vn[j][2]), fabsf(vn[j][3]))));
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, off));
+    const int shift_n = pow2_shift(vmax, 14);
+    const float vn_down = pow2i(-shift_n);
     uint32_t va[4][4];
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
-      va[ks][0] = pack_bf16(vn[2 * ks][0], vn[2 * ks][1]);
-      va[ks][1] = pack_bf16(vn[2 * ks][2], vn[2 * ks][3]);
-      va[ks][2] = pack_bf16(vn[2 * ks + 1][0], vn[2 * ks + 1][1]);
-      va[ks][3] = pack_bf16(vn[2 * ks + 1][2], vn[2 * ks + 1][3]);
+      va[ks][0] = pack_f16(vn[2 * ks][0] * vn_down, vn[2 * ks][1] * vn_down);
+      va[ks][1] = pack_f16(vn[2 * ks][2] * vn_down, vn[2 * ks][3] * vn_down);
+      va[ks][2] = pack_f16(vn[2 * ks + 1][0] * vn_down, vn[2 * ks + 1][1] * vn_down);
+      va[ks][3] = pack_f16(vn[2 * ks + 1][2] * vn_down, vn[2 * ks + 1][3] * vn_down);
     }
     // OT += VnT MQK^T; MQK is lower triangular, so token block p only needs k-steps ks <= p.
+    const int o_shift = shift_n + shifts[1];
+    const float o_down = pow2i(-o_shift), o_up = pow2i(o_shift);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[j][e] *= o_down;
+    }
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
 #pragma unroll
       for (int ks = 0; ks <= p; ++ks) {
         uint32_t bm[4];
         load_b_frag_nk(bm, sMQK, SM::kLdC, 16 * p, 16 * ks, lane);
-        mma_bf16(o[2 * p], va[ks], bm[0], bm[1]);
-        mma_bf16(o[2 * p + 1], va[ks], bm[2], bm[3]);
+        mma_f16(o[2 * p], va[ks], bm[0], bm[1]);
+        mma_f16(o[2 * p + 1], va[ks], bm[2], bm[3]);
       }
     }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[j][e] *= o_up;
+    }
     // S = S diag(gamma) + VnT KD.
+    const int s_shift = shift_n + shifts[2];
+    const float s_down = pow2i(-s_shift), s_up = pow2i(s_shift);
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
       const float2 gm = *reinterpret_cast<const float2*>(sGamma + 8 * j + 2 * t);
-      s[j][0] *= gm.x; s[j][1] *= gm.y; s[j][2] *= gm.x; s[j][3] *= gm.y;
+      const float g0 = gm.x * s_down, g1 = gm.y * s_down;
+      s[j][0] *= g0; s[j][1] *= g1; s[j][2] *= g0; s[j][3] *= g1;
     }
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
@@ -193,9 +220,14 @@ __global__ void __launch_bounds__(32 * NW, 1) state_recurrence_kernel(const Pref
       for (int p = 0; p < D / 16; ++p) {
         uint32_t bk[4];
         load_b_frag_kn(bk, sKD, SM::kLdH, 16 * p, 16 * ks, lane);
-        mma_bf16(s[2 * p], va[ks], bk[0], bk[1]);
-        mma_bf16(s[2 * p + 1], va[ks], bk[2], bk[3]);
+        mma_f16(s[2 * p], va[ks], bk[0], bk[1]);
+        mma_f16(s[2 * p + 1], va[ks], bk[2], bk[3]);
       }
+    }
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] *= s_up;
     }
     // Output tile OT (rows v, columns token) -> sOut[token][v].
 #pragma unroll
