@@ -183,10 +183,13 @@ def numerics(have_fla):
 
 
 def git_commit():
+    if os.environ.get("FLASHKDA_COMMIT"):
+        return os.environ["FLASHKDA_COMMIT"]
     try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
     except Exception:
-        return os.environ.get("FLASHKDA_COMMIT", "unknown")
+        return "unknown"
 
 
 def main():

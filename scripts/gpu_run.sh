@@ -10,6 +10,7 @@ MODE=${MODE:-full}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/run.log") 2>&1
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton_cache CMAKE_BUILD_PARALLEL_LEVEL=16
+# The device copy of the tree may have no usable git history: pass the commit in (FLASHKDA_COMMIT).
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site
@@ -23,7 +24,7 @@ echo "build: $(( $(date +%s) - t0 )) s"
 python3 scripts/debug_records.py --T 130 --H 2
 python3 scripts/debug_records.py --T 200 --H 1 --gate softplus
 python3 scripts/debug_records.py --T 100 --H 1 --D 64
-timeout 300 python3 -m pytest -m gpu tests/python -q -x --maxfail=3 -p no:cacheprovider ${PYTEST_ARGS:-}
+timeout ${PYTEST_TIMEOUT:-150} python3 -m pytest -m gpu tests/python -q -x --maxfail=3 -p no:cacheprovider ${PYTEST_ARGS:-}
 if [ "${SANITIZE:-1}" = 1 ]; then
   compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_case.py; echo "memcheck rc=$?"
   compute-sanitizer --tool racecheck --error-exitcode 9 python3 scripts/sanitize_case.py; echo "racecheck rc=$?"
