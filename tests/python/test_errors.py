@@ -38,7 +38,7 @@ def set_kw(**new):
     return f
 
 
-def wider(x, pad=4):
+def wider(x):
     """x with a non-contiguous last dim."""
     buf = torch.zeros(*x.shape[:-1], x.shape[-1] * 2, dtype=x.dtype)
     view = buf[..., ::2]
