@@ -1,0 +1,1 @@
+// Placeholder: the recurrent (decode / speculative decode) path is being written.
