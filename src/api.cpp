@@ -38,15 +38,19 @@ Status run(const PrefillParams& p, void* workspace, size_t workspace_bytes, Stre
   return detail::run_prefill_cuda(p, shape, workspace, stream);
 #else
   (void)stream;
-  return Status::not_implemented("flashkda: CUDA tensors given, but this build of flashkda has no CUDA kernels");
+  return Status::not_implemented(
+      "flashkda: CUDA tensors given, but this build of flashkda has no CUDA kernels");
 #endif
 }
 
 const char* device_error_name(DeviceError e) {
   switch (e) {
-    case DeviceError::kNone: return "none";
-    case DeviceError::kBadCuSeqlens: return "cu_seqlens is not non-decreasing from 0 to the token count";
-    case DeviceError::kBadStateIndex: return "state_indices holds a value outside [0, P) (negative = padding)";
+    case DeviceError::kNone:
+      return "none";
+    case DeviceError::kBadCuSeqlens:
+      return "cu_seqlens is not non-decreasing from 0 to the token count";
+    case DeviceError::kBadStateIndex:
+      return "state_indices holds a value outside [0, P) (negative = padding)";
   }
   return "unknown device error";
 }
@@ -62,7 +66,8 @@ bool built_with_cuda() {
 #if !defined(FLASHKDA_WITH_CUDA)
 Status cuda_device_supported(int device_index) {
   (void)device_index;
-  return Status::unsupported_device("flashkda: CUDA tensors given, but this build of flashkda has no CUDA kernels");
+  return Status::unsupported_device(
+      "flashkda: CUDA tensors given, but this build of flashkda has no CUDA kernels");
 }
 Status read_device_error(const void*, Stream, DeviceError* err) {
   if (err) *err = DeviceError::kNone;

@@ -40,7 +40,8 @@ int vec_ok(const TensorRef& t, int elems_per_16b) {
 
 Status cuda_device_supported(int device_index) {
   if (device_index < 0 || device_index >= kMaxDevices) {
-    return Status::unsupported_device("flashkda: device index " + std::to_string(device_index) + " out of range");
+    return Status::unsupported_device("flashkda: device index " + std::to_string(device_index) +
+                                      " out of range");
   }
   int state = g_support[device_index].load(std::memory_order_acquire);
   if (state == 0) {
@@ -59,10 +60,11 @@ Status cuda_device_supported(int device_index) {
   }
   if (state != 1) {
     const int cc = g_cc[device_index].load();
-    return Status::unsupported_device("flashkda: argument 'q': expected a CUDA device of compute capability 9.0 "
-                                      "(Hopper, the sm_90a kernels), got device " +
-                                      std::to_string(device_index) + " of compute capability " +
-                                      std::to_string(cc / 10) + "." + std::to_string(cc % 10));
+    return Status::unsupported_device(
+        "flashkda: argument 'q': expected a CUDA device of compute capability 9.0 "
+        "(Hopper, the sm_90a kernels), got device " +
+        std::to_string(device_index) + " of compute capability " + std::to_string(cc / 10) + "." +
+        std::to_string(cc % 10));
   }
   return Status::ok_status();
 }
@@ -84,7 +86,8 @@ namespace detail {
 
 Status run_prefill_cuda(const PrefillParams& p, const ProblemShape& shape, void* workspace, Stream stream) {
   if (!aligned16(workspace)) {
-    return Status::invalid("flashkda: argument 'workspace': expected a 16-byte aligned pointer, got an unaligned one");
+    return Status::invalid(
+        "flashkda: argument 'workspace': expected a 16-byte aligned pointer, got an unaligned one");
   }
   Status st = cuda_device_supported(p.q.device_index);
   if (!st.ok()) return st;
@@ -120,7 +123,8 @@ Status run_prefill_cuda(const PrefillParams& p, const ProblemShape& shape, void*
   a.cu_int64 = p.cu_seqlens.defined() && p.cu_seqlens.dtype == DType::kInt64;
   a.state_indices = p.state_indices.defined() ? p.state_indices.data : nullptr;
   a.idx_int64 = p.state_indices.defined() && p.state_indices.dtype == DType::kInt64;
-  a.has_initial_state = p.has_initial_state.defined() ? static_cast<const bool*>(p.has_initial_state.data) : nullptr;
+  a.has_initial_state =
+      p.has_initial_state.defined() ? static_cast<const bool*>(p.has_initial_state.data) : nullptr;
   a.B = static_cast<int>(shape.B);
   a.T = static_cast<int>(shape.T);
   a.H = static_cast<int>(shape.H);

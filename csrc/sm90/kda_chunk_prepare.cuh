@@ -36,17 +36,17 @@ namespace sm90 {
 
 template <int D>
 struct PrepareSmem {
-  static constexpr int kLdF = D + 4;   // fp32 rows (G)
-  static constexpr int kLdH = D + 8;   // 16-bit rows (ldmatrix-friendly padding)
+  static constexpr int kLdF = D + 4;  // fp32 rows (G)
+  static constexpr int kLdH = D + 8;  // 16-bit rows (ldmatrix-friendly padding)
   static constexpr int kLdT = kChunk + 1;
   static constexpr int kLdTb = kChunk + 8;
-  static constexpr int kQ = 0;                          // 16-bit q [C][kLdH]
-  static constexpr int kK = kQ + kChunk * kLdH * 2;     // 16-bit k [C][kLdH]
-  static constexpr int kG = kK + kChunk * kLdH * 2;     // fp32 G [C][kLdF]
-  static constexpr int kV = kG + kChunk * kLdF * 4;     // v [C][kLdH]: raw bf16, then scaled fp16
-  static constexpr int kL = kV + kChunk * kLdH * 2;     // fp32 L [C][kLdT]
-  static constexpr int kB = kL + kChunk * kLdT * 4;     // fp32 b [C]
-  static constexpr int kTot = kB + kChunk * 4;          // fp32 scan partial sums [4][D]
+  static constexpr int kQ = 0;                       // 16-bit q [C][kLdH]
+  static constexpr int kK = kQ + kChunk * kLdH * 2;  // 16-bit k [C][kLdH]
+  static constexpr int kG = kK + kChunk * kLdH * 2;  // fp32 G [C][kLdF]
+  static constexpr int kV = kG + kChunk * kLdF * 4;  // v [C][kLdH]: raw bf16, then scaled fp16
+  static constexpr int kL = kV + kChunk * kLdH * 2;  // fp32 L [C][kLdT]
+  static constexpr int kB = kL + kChunk * kLdT * 4;  // fp32 b [C]
+  static constexpr int kTot = kB + kChunk * 4;       // fp32 scan partial sums [4][D]
   // int-encoded maxima: |v|, |k|, |T_inv b|, |q_row|^2, |k_row|^2
   static constexpr int kMax = kTot + 4 * D * 4;
   static constexpr int kEnd = kMax + 32;
@@ -54,10 +54,10 @@ struct PrepareSmem {
   // enough (D = 128), else after everything (D = 64, where shared memory is plentiful).
   static constexpr int kTinvBytes = kChunk * kLdT * 4 + kChunk * kLdTb * 2 + 3 * 16 * 17 * 4;
   static constexpr bool kTinvOverQK = kTinvBytes <= kG - kQ;
-  static constexpr int kKtb = kG;                                   // fp16 kt [C][kLdH] over G
-  static constexpr int kTi = kTinvOverQK ? kQ : kEnd;               // fp32 T_inv [C][kLdT]
-  static constexpr int kTib = kTi + kChunk * kLdT * 4;              // fp16 T_inv diag(b) [C][kLdTb]
-  static constexpr int kX = kTib + kChunk * kLdTb * 2;              // level scratch 3 x 16 x 17 fp32
+  static constexpr int kKtb = kG;                       // fp16 kt [C][kLdH] over G
+  static constexpr int kTi = kTinvOverQK ? kQ : kEnd;   // fp32 T_inv [C][kLdT]
+  static constexpr int kTib = kTi + kChunk * kLdT * 4;  // fp16 T_inv diag(b) [C][kLdTb]
+  static constexpr int kX = kTib + kChunk * kLdTb * 2;  // level scratch 3 x 16 x 17 fp32
   static constexpr int kBytes = kTinvOverQK ? kEnd : kEnd + kTinvBytes;
   static_assert(kChunk * kLdH * 2 <= kV - kG, "kt must fit over G");
 };
@@ -174,7 +174,8 @@ __device__ inline void store_lk_block(const float (&accL)[2][4], const float (&a
 // Diagonal block I on tf32 tensor cores, factorised around its row 7 (factors up to 2^half-span).
 template <int D>
 __device__ inline void lk_block_diag_tf32(const uint16_t* sQ, const uint16_t* sK, bool fp16, const float* sG,
-                                          const float* sB, float* sL, bf16* mqk, float scale, int I, int lane) {
+                                          const float* sB, float* sL, bf16* mqk, float scale, int I,
+                                          int lane) {
   constexpr int ldf = PrepareSmem<D>::kLdF, ldh = PrepareSmem<D>::kLdH;
   const int g = lane >> 2, t = lane & 3;
   float accL[2][4] = {}, accM[2][4] = {};
@@ -255,7 +256,8 @@ __device__ inline void lk_block_mma(const uint16_t* sQ, const uint16_t* sK, bool
 // Diagonal block I summed pairwise with 2^(G_i - G_j) <= 1: safe for any decay (slow path).
 template <int D>
 __device__ inline void lk_block_pairwise(const uint16_t* sQ, const uint16_t* sK, bool fp16, const float* sG,
-                                         const float* sB, float* sL, bf16* mqk, float scale, int I, int lane) {
+                                         const float* sB, float* sL, bf16* mqk, float scale, int I,
+                                         int lane) {
   constexpr int ldf = PrepareSmem<D>::kLdF, ldh = PrepareSmem<D>::kLdH;
   for (int ii = 0; ii < 16; ++ii) {
     const int i = 16 * I + ii;
@@ -332,8 +334,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   uint16_t* sTb = reinterpret_cast<uint16_t*>(smem + SM::kTib);
   float* sX = reinterpret_cast<float*>(smem + SM::kX);
   constexpr int ldf = SM::kLdF, ldh = SM::kLdH, ldt = SM::kLdT, ldtb = SM::kLdTb;
-  constexpr int TPR = D / 8;                    // threads per row in the row-parallel phases
-  constexpr int RPP = kPrepareThreads / TPR;    // rows per pass
+  constexpr int TPR = D / 8;                  // threads per row in the row-parallel phases
+  constexpr int RPP = kPrepareThreads / TPR;  // rows per pass
   constexpr int PASSES = kChunk / RPP;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -373,9 +375,16 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
       if (a.g_fp32) {
         const float* gp = static_cast<const float*>(a.g) + go;
         if (a.vec_g) {
-          const float4 u0 = *reinterpret_cast<const float4*>(gp), u1 = *reinterpret_cast<const float4*>(gp + 4);
-          xg[0] = u0.x; xg[1] = u0.y; xg[2] = u0.z; xg[3] = u0.w;
-          xg[4] = u1.x; xg[5] = u1.y; xg[6] = u1.z; xg[7] = u1.w;
+          const float4 u0 = *reinterpret_cast<const float4*>(gp),
+                       u1 = *reinterpret_cast<const float4*>(gp + 4);
+          xg[0] = u0.x;
+          xg[1] = u0.y;
+          xg[2] = u0.z;
+          xg[3] = u0.w;
+          xg[4] = u1.x;
+          xg[5] = u1.y;
+          xg[6] = u1.z;
+          xg[7] = u1.w;
         } else {
 #pragma unroll
           for (int i = 0; i < 8; ++i) xg[i] = gp[i];
@@ -418,10 +427,14 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
 #pragma unroll
     for (int i = 0; i < 8; ++i) kmax = fmaxf(kmax, fabsf(xk[i]));
     uint4 uq, uk;
-    uq.x = pack_qk(xq[0], xq[1], qk16); uq.y = pack_qk(xq[2], xq[3], qk16);
-    uq.z = pack_qk(xq[4], xq[5], qk16); uq.w = pack_qk(xq[6], xq[7], qk16);
-    uk.x = pack_qk(xk[0], xk[1], qk16); uk.y = pack_qk(xk[2], xk[3], qk16);
-    uk.z = pack_qk(xk[4], xk[5], qk16); uk.w = pack_qk(xk[6], xk[7], qk16);
+    uq.x = pack_qk(xq[0], xq[1], qk16);
+    uq.y = pack_qk(xq[2], xq[3], qk16);
+    uq.z = pack_qk(xq[4], xq[5], qk16);
+    uq.w = pack_qk(xq[6], xq[7], qk16);
+    uk.x = pack_qk(xk[0], xk[1], qk16);
+    uk.y = pack_qk(xk[2], xk[3], qk16);
+    uk.z = pack_qk(xk[4], xk[5], qk16);
+    uk.w = pack_qk(xk[6], xk[7], qk16);
     *reinterpret_cast<uint4*>(sQ + r * ldh + c8) = uq;
     *reinterpret_cast<uint4*>(sK + r * ldh + c8) = uk;
     *reinterpret_cast<float4*>(sG + r * ldf + c8) = make_float4(xg[0], xg[1], xg[2], xg[3]);
@@ -463,8 +476,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   // KD and MQK are stored in fp16 with power-of-two shifts: |KD| <= max|k| and
   // |MQK| <= scale |q_i| |k_j| (every decay factor is <= 1), so these bounds never overflow.
   const int shift_d = pow2_shift(__int_as_float(sMax[1]), 0);
-  const int shift_m =
-      pow2_shift(scale * sqrtf(__int_as_float(sMax[3])) * sqrtf(__int_as_float(sMax[4])), 14);
+  const int shift_m = pow2_shift(scale * sqrtf(__int_as_float(sMax[3])) * sqrtf(__int_as_float(sMax[4])), 14);
   const float kd_scale = pow2i(-shift_d), mqk_scale = scale * pow2i(-shift_m);
   if (tid == 0) {
     reinterpret_cast<int*>(rec + ChunkRecord<D>::kUtShift)[1] = shift_m;
@@ -476,7 +488,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
 #pragma unroll
     for (int I = 0; I < kChunk / kSub; ++I) {
       const float gm = sG[(16 * I + 7) * ldf + tid];
-      over |= (sG[(16 * I) * ldf + tid] - gm > kMaxHalfSpanLog2) | (gm - sG[(16 * I + 15) * ldf + tid] > kMaxHalfSpanLog2);
+      over |= (sG[(16 * I) * ldf + tid] - gm > kMaxHalfSpanLog2) |
+              (gm - sG[(16 * I + 15) * ldf + tid] > kMaxHalfSpanLog2);
     }
   }
 #pragma unroll
@@ -492,8 +505,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
       xd[i] = xk[i] * fast_exp2(gl - gg) * kd_scale;
     }
     store8_bf16(rQT + r * D + c8, xq);
-    *reinterpret_cast<uint4*>(rKD + r * D + c8) = make_uint4(
-        pack_f16(xd[0], xd[1]), pack_f16(xd[2], xd[3]), pack_f16(xd[4], xd[5]), pack_f16(xd[6], xd[7]));
+    *reinterpret_cast<uint4*>(rKD + r * D + c8) = make_uint4(pack_f16(xd[0], xd[1]), pack_f16(xd[2], xd[3]),
+                                                             pack_f16(xd[4], xd[5]), pack_f16(xd[6], xd[7]));
   }
   // Upper blocks of MQK are zero (the state pass multiplies the whole 64x64 tile).
   for (int e = tid; e < kChunk * kChunk / 8; e += kPrepareThreads) {
@@ -516,7 +529,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
       // (I, J) of off-diagonal block q in 4-bit fields: I = {3,3,3,2,1,2}, J = {0,1,2,1,0,0}.
       constexpr uint32_t kOffI = 0x212333u, kOffJ = 0x001210u;
       for (int q = warp - 4; q < 6; q += 4) {
-        const int I = static_cast<int>((kOffI >> (4 * q)) & 15), J = static_cast<int>((kOffJ >> (4 * q)) & 15);
+        const int I = static_cast<int>((kOffI >> (4 * q)) & 15),
+                  J = static_cast<int>((kOffJ >> (4 * q)) & 15);
         lk_block_mma<D>(sQ, sK, qk16, sG, sB, sL, rMQK, mqk_scale, I, J, 16 * I - 1, lane);
       }
     }
@@ -542,8 +556,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     ktv[pass] = make_uint4(pack_f16(xk[0], xk[1]), pack_f16(xk[2], xk[3]), pack_f16(xk[4], xk[5]),
                            pack_f16(xk[6], xk[7]));
     // v is rewritten in place by the thread that wrote it in phase 1: no other thread reads it yet.
-    *reinterpret_cast<uint4*>(sV + r * ldh + c8) = make_uint4(
-        pack_f16(xv[0], xv[1]), pack_f16(xv[2], xv[3]), pack_f16(xv[4], xv[5]), pack_f16(xv[6], xv[7]));
+    *reinterpret_cast<uint4*>(sV + r * ldh + c8) = make_uint4(pack_f16(xv[0], xv[1]), pack_f16(xv[2], xv[3]),
+                                                              pack_f16(xv[4], xv[5]), pack_f16(xv[6], xv[7]));
   }
   __syncthreads();
 #pragma unroll
@@ -637,7 +651,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     for (int nt = 0; nt < 4; ++nt) {
       const int col = 32 * nh + 8 * nt + 2 * t;
       *reinterpret_cast<uint32_t*>(rUTh + (16 * mt + g) * kChunk + col) = pack_f16(acc[nt][0], acc[nt][1]);
-      *reinterpret_cast<uint32_t*>(rUTh + (16 * mt + g + 8) * kChunk + col) = pack_f16(acc[nt][2], acc[nt][3]);
+      *reinterpret_cast<uint32_t*>(rUTh + (16 * mt + g + 8) * kChunk + col) =
+          pack_f16(acc[nt][2], acc[nt][3]);
     }
   }
 }

@@ -13,8 +13,8 @@ namespace sm90 {
 
 using bf16 = __nv_bfloat16;
 
-constexpr int kChunk = 64;     // tokens per chunk
-constexpr int kSub = 16;       // sub-chunk (one mma row tile) inside a chunk
+constexpr int kChunk = 64;  // tokens per chunk
+constexpr int kSub = 16;    // sub-chunk (one mma row tile) inside a chunk
 constexpr float kLog2e = 1.4426950408889634f;
 // Diagonal 16x16 blocks of kt @ kb^T are factorised around the block's row 7: each factor is
 // 2^(G_i - G_ref) or 2^(G_ref - G_j) (log2 units), at most 2^(half-span).  When every half-span of
@@ -51,7 +51,7 @@ struct PrefillArgs {
   int gate_mode, l2norm, beta_sigmoid;
   float scale, lower_bound;
   int vec_q, vec_k, vec_v, vec_g, vec_out;  // 16-byte aligned rows: vector loads/stores allowed
-  char* records;  // workspace: one ChunkRecord per (slot, head)
+  char* records;                            // workspace: one ChunkRecord per (slot, head)
   int* error_word;
   int64_t num_slots;  // chunk slots per head
 };
@@ -110,7 +110,10 @@ __device__ inline bool slot_to_chunk(const PrefillArgs& a, int64_t slot, int64_t
       int64_t mid = (lo + hi + 1) / 2;
       int64_t cu = load_index(a.cu_seqlens, a.cu_int64, mid);
       cu = cu < 0 ? 0 : (cu > a.T ? a.T : cu);
-      if (cu / kChunk + mid <= slot) lo = mid; else hi = mid - 1;
+      if (cu / kChunk + mid <= slot)
+        lo = mid;
+      else
+        hi = mid - 1;
     }
     n = lo;
   } else {
@@ -286,7 +289,8 @@ __device__ inline float sigmoidf_(float x) { return __frcp_rn(1.0f + __expf(-x))
 __device__ inline float softplusf_(float x) { return x > 20.0f ? x : log1pf(__expf(x)); }
 
 // exp_A_log_h = exp(A_log[h]), hoisted by the caller (one per head).
-__device__ inline float gate_log_decay(int mode, float g, float exp_A_log_h, float dt_bias_hk, float lower_bound) {
+__device__ inline float gate_log_decay(int mode, float g, float exp_A_log_h, float dt_bias_hk,
+                                       float lower_bound) {
   if (mode == kGatePrecomputed) return g;
   const float x = g + dt_bias_hk;
   if (mode == kGateBounded) return lower_bound * sigmoidf_(exp_A_log_h * x);

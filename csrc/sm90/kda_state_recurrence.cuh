@@ -58,7 +58,8 @@ __device__ inline void load_record_async(const char* rec, unsigned char* stage, 
     const int r = e / 8, c8 = (e % 8) * 8;
     cp_async_16(stage + SM::kUT + (r * SM::kLdC + c8) * 2, rec + R::kUT + ((v0 + r) * kChunk + c8) * 2);
   }
-  for (int e = tid; e < D / 4 + 1; e += kThreads) cp_async_16(stage + SM::kGamma + e * 16, rec + R::kGamma + e * 16);
+  for (int e = tid; e < D / 4 + 1; e += kThreads)
+    cp_async_16(stage + SM::kGamma + e * 16, rec + R::kGamma + e * 16);
 }
 
 template <int D, int NW>
@@ -136,10 +137,14 @@ __global__ void __launch_bounds__(32 * NW, 1) state_recurrence_kernel(const Pref
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const int col = 8 * j + 2 * t;
-      const float2 u0 = __half22float2(*reinterpret_cast<const __half2*>(sUT + (16 * warp + g) * SM::kLdC + col));
-      const float2 u1 = __half22float2(*reinterpret_cast<const __half2*>(sUT + (16 * warp + g + 8) * SM::kLdC + col));
-      vn[j][0] = u0.x * ut_scale; vn[j][1] = u0.y * ut_scale;
-      vn[j][2] = u1.x * ut_scale; vn[j][3] = u1.y * ut_scale;
+      const float2 u0 =
+          __half22float2(*reinterpret_cast<const __half2*>(sUT + (16 * warp + g) * SM::kLdC + col));
+      const float2 u1 =
+          __half22float2(*reinterpret_cast<const __half2*>(sUT + (16 * warp + g + 8) * SM::kLdC + col));
+      vn[j][0] = u0.x * ut_scale;
+      vn[j][1] = u0.y * ut_scale;
+      vn[j][2] = u1.x * ut_scale;
+      vn[j][3] = u1.y * ut_scale;
       o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
     }
 #pragma unroll
@@ -168,7 +173,8 @@ __global__ void __launch_bounds__(32 * NW, 1) state_recurrence_kernel(const Pref
     float vmax = 0.f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      vmax = fmaxf(vmax, fmaxf(fmaxf(fabsf(vn[j][0]), fabsf(vn[j][1])), fmaxf(fabsf(vn[j][2]), fabsf(vn[j][3]))));
+      vmax = fmaxf(vmax,
+                   fmaxf(fmaxf(fabsf(vn[j][0]), fabsf(vn[j][1])), fmaxf(fabsf(vn[j][2]), fabsf(vn[j][3]))));
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, off));
@@ -212,7 +218,10 @@ __global__ void __launch_bounds__(32 * NW, 1) state_recurrence_kernel(const Pref
     for (int j = 0; j < NT; ++j) {
       const float2 gm = *reinterpret_cast<const float2*>(sGamma + 8 * j + 2 * t);
       const float g0 = gm.x * s_down, g1 = gm.y * s_down;
-      s[j][0] *= g0; s[j][1] *= g1; s[j][2] *= g0; s[j][3] *= g1;
+      s[j][0] *= g0;
+      s[j][1] *= g1;
+      s[j][2] *= g0;
+      s[j][3] *= g1;
     }
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {

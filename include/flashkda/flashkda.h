@@ -95,7 +95,9 @@ struct Status {
   static Status ok_status() { return Status{}; }
   static Status invalid(std::string msg) { return Status{Code::kInvalidArgument, std::move(msg)}; }
   static Status not_implemented(std::string msg) { return Status{Code::kNotImplemented, std::move(msg)}; }
-  static Status unsupported_device(std::string msg) { return Status{Code::kUnsupportedDevice, std::move(msg)}; }
+  static Status unsupported_device(std::string msg) {
+    return Status{Code::kUnsupportedDevice, std::move(msg)};
+  }
   static Status cuda_error(std::string msg) { return Status{Code::kCudaError, std::move(msg)}; }
   bool ok() const { return code == Code::kOk; }
 };
@@ -127,8 +129,8 @@ Status run(const PrefillParams& p, void* workspace, size_t workspace_bytes, Stre
 // Device-side input errors recorded by the last run() that used this workspace.
 enum class DeviceError : int32_t {
   kNone = 0,
-  kBadCuSeqlens = 1,      // cu_seqlens not non-decreasing from 0 to T
-  kBadStateIndex = 2,     // state_indices out of [0, P) (negative means padding and is allowed)
+  kBadCuSeqlens = 1,   // cu_seqlens not non-decreasing from 0 to T
+  kBadStateIndex = 2,  // state_indices out of [0, P) (negative means padding and is allowed)
 };
 const char* device_error_name(DeviceError e);
 // Synchronises `stream` and reads the error word (a debugging / validation aid, not for hot paths).
