@@ -24,6 +24,7 @@ import torch
 
 import flashkda
 from flashkda import reference as ref
+from flashkda.timing import cuda_graph_times_us, memory_floor_bytes
 
 CASES = [
     ("8x2048, H16", [2048] * 8, 16),
@@ -67,9 +68,7 @@ def make_inputs(lens, H, seed=0, dev="cuda"):
 
 
 def floor_us(lens, H, bw):
-    T, N = sum(lens), len(lens)
-    nbytes = 5 * T * H * D * 2 + T * H * 2 + 2 * N * H * D * D * 4
-    return nbytes / bw * 1e6
+    return memory_floor_bytes(sum(lens), H, D, len(lens)) / bw * 1e6
 
 
 def copy_bandwidth():
@@ -107,26 +106,7 @@ class Ours:
 
 
 def time_graph(fn, iters):
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(iters):
-        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        st.record()
-        graph.replay()
-        en.record()
-        en.synchronize()
-        times.append(st.elapsed_time(en) * 1e3)
+    times = cuda_graph_times_us(fn, iters)
     return statistics.median(times), min(times)
 
 

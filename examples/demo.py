@@ -23,6 +23,7 @@ import torch
 
 import flashkda
 from flashkda import reference as R
+from flashkda.timing import cuda_graph_times_us, memory_floor_bytes
 
 SPEC_OUT, SPEC_STATE = 4e-3, 3e-3
 COPY_BW = 4.25e12  # H200 device-to-device copy bandwidth (read + write), bytes/s (kda_spec.md section 7)
@@ -44,8 +45,7 @@ def make_case(lens, H, D, device, gen):
 
 
 def memory_floor_us(T, H, D, N):
-    nbytes = 5 * T * H * D * 2 + T * H * 2 + 2 * N * H * D * D * 4
-    return nbytes / COPY_BW * 1e6
+    return memory_floor_bytes(T, H, D, N) / COPY_BW * 1e6
 
 
 def run_case(name, lens, H, D, device, gen, iters, check=True):
@@ -77,21 +77,7 @@ def run_case(name, lens, H, D, device, gen, iters, check=True):
 
     times = []
     if device == "cuda":
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            call()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            call()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(iters):
-            start.record()
-            graph.replay()
-            stop.record()
-            stop.synchronize()
-            times.append(start.elapsed_time(stop) * 1e3)  # us
+        times = cuda_graph_times_us(call, iters)
         res["floor_us"] = memory_floor_us(T, H, D, N)
     else:
         for _ in range(iters):
