@@ -7,7 +7,8 @@ CUDA build, for CUDA (the sm90 kernels).
 
 Entry points:
 
-* :func:`chunk_kda`: drop-in for the forward of fla's ``fla.ops.kda.chunk_kda``;
+* :func:`chunk_kda`: drop-in for the forward of fla's ``fla.ops.kda.chunk_kda``, with backend
+  selection (``backend=``, ``FLASHKDA_BACKEND``; :func:`explain` says which backend and why);
 * :func:`fwd`: the fused "Kimi" configuration (bounded gate, q/k l2norm, beta sigmoid);
 * :func:`prefill`: every gate mode and flag, varlen, state pools;
 * :func:`get_workspace_size`: bytes of workspace a CUDA call needs;
@@ -38,7 +39,8 @@ def _load_library() -> str:
 _library_path = _load_library()
 
 from . import reference  # noqa: E402
-from .chunk import chunk_kda  # noqa: E402
+from .backend import Selection, select_backend  # noqa: E402
+from .chunk import chunk_kda, explain  # noqa: E402
 from .ops import (  # noqa: E402
     DEVICE_ERRORS,
     clear_device_error,
@@ -57,6 +59,9 @@ def built_with_cuda() -> bool:
 
 __all__ = [
     "chunk_kda",
+    "explain",
+    "select_backend",
+    "Selection",
     "fwd",
     "prefill",
     "get_workspace_size",

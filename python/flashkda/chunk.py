@@ -1,7 +1,14 @@
 """``flashkda.chunk_kda``: a drop-in for the forward of fla's ``fla.ops.kda.chunk_kda``.
 
 Same arguments, same positional order and the same return value ``(o, final_state)`` as fla's
-function, computed by ``torch.ops.flashkda.prefill``.  What maps how:
+function, plus a keyword-only ``backend``: ``None`` / ``"auto"`` (the default; the environment
+variable ``FLASHKDA_BACKEND`` replaces it when set), ``"cuda"``, ``"triton"`` or ``"reference"``
+(see :mod:`flashkda.backend`).  Auto runs flashkda's sm_90a kernels when they can serve the call,
+else fla's Triton ``chunk_kda`` (the call passed through unchanged) for CUDA tensors when fla is
+importable, else flashkda's C++ reference for CPU tensors, else raises with the reason each backend
+was rejected.  :func:`explain` tells, for the same arguments, which backend auto picks and why.
+
+How fla's arguments map onto ``torch.ops.flashkda.prefill`` (backends "cuda" and "reference"):
 
 * ``use_gate_in_kernel=False``: ``g`` is the log decay, used as is (gate mode "precomputed").
 * ``use_gate_in_kernel=True``: ``g`` is the raw gate input.  With ``lower_bound`` given the gate is
@@ -13,26 +20,30 @@ function, computed by ``torch.ops.flashkda.prefill``.  What maps how:
 * States: fla's default layout ``[N, H, K, V]``, or ``[N, H, V, K]`` with ``state_v_first=True``
   (the kernels' own layout: no transposes).  The final state is returned in fp32.
 
-Inference only: anything this path cannot compute (backward, grouped value heads, dtypes other
-than bf16 for q/k/v, context parallelism, intermediate states, unknown keyword arguments) raises
-``NotImplementedError``; argument errors raise ``ValueError``.
+flashkda's own backends are inference only: what they cannot compute (backward, grouped value
+heads, dtypes other than bf16 for q/k/v, head dims other than 64/128, context parallelism,
+intermediate states, unknown keyword arguments) makes auto use fla when it can, and raises
+``NotImplementedError`` otherwise; argument errors raise ``ValueError``.
 """
 
 from __future__ import annotations
 
+import inspect
 import warnings
-from typing import Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 
-from .ops import _check_no_grad, new_workspace
+from . import reference as _reference
+from .backend import Selection, fla_function, select_backend
+from .ops import new_workspace
 
-__all__ = ["chunk_kda"]
+__all__ = ["chunk_kda", "explain"]
 
 Tensor = torch.Tensor
 
-# Keyword arguments of fla's chunk_kda that do not change the forward math here.
-_IGNORED_FLA_KWARGS = ("chunk_size",)
+# Keyword arguments (through **kwargs) of fla's chunk_kda that flashkda's backends understand.
+_SERVED_KWARGS = ("chunk_size", "transpose_state_layout")
 
 
 def _rows_contiguous(x: Tensor) -> Tensor:
@@ -44,6 +55,31 @@ def _rows_contiguous(x: Tensor) -> Tensor:
     if x.dim() == 3:
         return x if (x.stride(-1) == 1 or x.shape[-1] <= 1) else x.contiguous()
     return x
+
+
+def _unsupported(return_intermediate_states: bool, cp_context, kwargs: Dict) -> List[str]:
+    """Why flashkda's own backends (cuda, reference) cannot serve these flags of a chunk_kda call."""
+    out = []
+    if return_intermediate_states:
+        out.append("argument 'return_intermediate_states=True' is not implemented (the kernels keep no "
+                   "per-chunk states)")
+    if cp_context is not None:
+        out.append("argument 'cp_context' (context parallelism across devices) is not implemented")
+    unknown = sorted(key for key in kwargs if key not in _SERVED_KWARGS)
+    if unknown:
+        out.append(f"unsupported keyword argument(s) {unknown} (flashkda serves fla's chunk_kda forward "
+                   "without them)")
+    return out
+
+
+def _select(q, k, v, g, beta, A_log, dt_bias, initial_state, return_intermediate_states, cp_context,
+            kwargs, backend, evaluate_all=False) -> Selection:
+    return select_backend(
+        "prefill", q, k, v, backend=backend, fn="chunk_kda",
+        tensors={"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
+                 "initial_state": initial_state},
+        unsupported=_unsupported(return_intermediate_states, cp_context, kwargs),
+        evaluate_all=evaluate_all)
 
 
 def chunk_kda(
@@ -72,51 +108,84 @@ def chunk_kda(
     *,
     A_log: Optional[Tensor] = None,
     dt_bias: Optional[Tensor] = None,
+    backend: Optional[str] = None,
     **kwargs,
-) -> Tuple[Tensor, Optional[Tensor]]:
-    """KDA prefill, fla-compatible: returns ``(o [B, T, H, V] bf16, final_state or None)``.
+):
+    """KDA prefill, fla-compatible: returns ``(o [B, T, H, V], final_state or None)``.
 
-    q, k ``[B, T, H, K]`` and v ``[B, T, H, V]`` bf16 with K = V in {64, 128}; g ``[B, T, H, K]``;
-    beta ``[B, T, H]``; ``initial_state`` ``[N, H, K, V]`` (``[N, H, V, K]`` if ``state_v_first``);
-    ``cu_seqlens [N + 1]`` for varlen inputs (then B == 1).  ``A_log [H]`` and ``dt_bias [H * K]``
-    feed the fused gate (``use_gate_in_kernel=True``).  See the module docstring for the mapping.
-    ``disable_recompute``, ``cu_seqlens_cpu``, ``use_graph`` and ``max_num_seqs`` are accepted and
-    have no effect: this path never synchronises the host and is CUDA-graph safe as it is.
+    q, k ``[B, T, H, K]`` and v ``[B, T, H, V]`` (bf16, K = V in {64, 128} for flashkda's own
+    backends); g ``[B, T, H, K]``; beta ``[B, T, H]``; ``initial_state`` ``[N, H, K, V]``
+    (``[N, H, V, K]`` if ``state_v_first``); ``cu_seqlens [N + 1]`` for varlen inputs (then B == 1).
+    ``A_log [H]`` and ``dt_bias [H * K]`` feed the fused gate (``use_gate_in_kernel=True``).  See the
+    module docstring for the mapping.  ``disable_recompute``, ``cu_seqlens_cpu``, ``use_graph`` and
+    ``max_num_seqs`` have no effect on flashkda's backends: they never synchronise the host and are
+    CUDA-graph safe as they are.
+
+    ``backend``: ``None`` / ``"auto"``, ``"cuda"``, ``"triton"`` or ``"reference"`` (module
+    :mod:`flashkda.backend`); with ``"triton"`` every argument goes to fla's ``chunk_kda`` unchanged
+    and its return value is returned.
     """
+    sel = _select(q, k, v, g, beta, A_log, dt_bias, initial_state, return_intermediate_states, cp_context,
+                  kwargs, backend)
+    if sel.backend is None:
+        raise sel.error()
+    if sel.backend == "triton":
+        extra = dict(kwargs)
+        if A_log is not None:
+            extra["A_log"] = A_log
+        if dt_bias is not None:
+            extra["dt_bias"] = dt_bias
+        return fla_function("prefill")(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+            safe_gate=safe_gate, lower_bound=lower_bound, disable_recompute=disable_recompute,
+            return_intermediate_states=return_intermediate_states, state_v_first=state_v_first,
+            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, cp_context=cp_context, use_graph=use_graph,
+            max_num_seqs=max_num_seqs, **extra)
+    return _flashkda_chunk_kda(
+        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens,
+        A_log, dt_bias, kwargs,
+        torch_reference=(sel.backend == "reference" and q.device.type != "cpu"))
+
+
+def explain(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *args, **kwargs) -> Selection:
+    """Which backend ``chunk_kda`` would use for these arguments, and why the others cannot serve them.
+
+    Takes exactly the arguments of :func:`chunk_kda` (``backend=`` and ``FLASHKDA_BACKEND`` included),
+    computes nothing, and returns a :class:`flashkda.backend.Selection`: ``.backend`` (None when no
+    backend can serve the call), ``.reasons`` (backend -> None or why it was rejected), and a
+    human-readable ``str()``.  Every backend is judged (fla is imported when the tensors are CUDA).
+    """
+    bound = inspect.signature(chunk_kda).bind(q, k, v, g, beta, *args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    return _select(q, k, v, g, beta, a["A_log"], a["dt_bias"], a["initial_state"], a["return_intermediate_states"],
+                   a["cp_context"], a["kwargs"], a["backend"], evaluate_all=True)
+
+
+def _flashkda_chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                        use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
+                        state_v_first, cu_seqlens, A_log, dt_bias, kwargs, torch_reference=False):
+    """chunk_kda on flashkda's backends: torch.ops.flashkda.prefill (CUDA kernels or C++ CPU reference),
+    or, with ``torch_reference``, the float64 PyTorch reference on the tensors' device (slow)."""
+    kwargs = dict(kwargs)
     if "transpose_state_layout" in kwargs:
         if state_v_first:
             raise ValueError("flashkda.chunk_kda: pass either 'state_v_first' or the deprecated "
                              "'transpose_state_layout', not both")
         warnings.warn("'transpose_state_layout' is deprecated, use 'state_v_first'", DeprecationWarning,
-                      stacklevel=2)
+                      stacklevel=3)
         state_v_first = bool(kwargs.pop("transpose_state_layout"))
     chunk_size = kwargs.pop("chunk_size", 64)
     if chunk_size not in (32, 64):
         raise ValueError(f"flashkda.chunk_kda: argument 'chunk_size' must be 32 or 64, got {chunk_size}")
-    if kwargs:
-        raise NotImplementedError(
-            f"flashkda.chunk_kda: unsupported keyword argument(s) {sorted(kwargs)}; flashkda serves fla's "
-            "chunk_kda forward without them")
 
-    _check_no_grad("chunk_kda", q, k, v, g, beta, A_log, dt_bias, initial_state)
-    if return_intermediate_states:
-        raise NotImplementedError("flashkda.chunk_kda: argument 'return_intermediate_states=True' is not "
-                                  "implemented (the kernels keep no per-chunk states)")
-    if cp_context is not None:
-        raise NotImplementedError("flashkda.chunk_kda: argument 'cp_context' (context parallelism across "
-                                  "devices) is not implemented")
     if q.dim() != 4 or v.dim() != 4:
         raise ValueError(f"flashkda.chunk_kda: arguments 'q' and 'v' must be 4-D [B, T, H, D], got "
                          f"q {tuple(q.shape)}, v {tuple(v.shape)}")
     B, T, H, K = q.shape
-    HV = v.shape[2]
-    if HV != H:
-        raise NotImplementedError(f"flashkda.chunk_kda: argument 'v': grouped value heads (HV={HV} != H={H}) "
-                                  "are not implemented")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype != torch.bfloat16:
-            raise NotImplementedError(f"flashkda.chunk_kda: argument '{name}': only bfloat16 is implemented, "
-                                      f"got {t.dtype}")
 
     if cu_seqlens is not None:
         if B != 1:
@@ -179,22 +248,32 @@ def chunk_kda(
     if output_final_state:
         ht = torch.empty(N, H, v.shape[-1], K, dtype=torch.float32, device=q.device)
 
-    q, k, v, g, beta = (_rows_contiguous(t) for t in (q, k, v, g, beta))
-    out = torch.empty(v.shape, dtype=torch.bfloat16, device=q.device)
-    workspace = new_workspace(q, cu_seqlens)
-    torch.ops.flashkda.prefill(
-        q, k, v, g, beta, out, workspace,
-        scale=0.0 if scale is None else float(scale),
-        gate_mode=gate_mode,
-        A_log=A_log_t,
-        dt_bias=dt_bias_t,
-        lower_bound=lb,
-        use_qk_l2norm=bool(use_qk_l2norm_in_kernel),
-        use_beta_sigmoid=use_beta_sigmoid,
-        initial_state=h0,
-        final_state=ht,
-        cu_seqlens=cu_seqlens,
-    )
+    if torch_reference:
+        # Debugging path: the float64 recurrence on the tensors' device, results cast back.
+        ref_out, ref_fs = _reference.prefill(
+            q, k, v, g, beta, scale=scale, gate_mode=gate_mode, A_log=A_log_t, dt_bias=dt_bias_t, lower_bound=lb,
+            use_qk_l2norm=bool(use_qk_l2norm_in_kernel), use_beta_sigmoid=use_beta_sigmoid, initial_state=h0,
+            cu_seqlens=cu_seqlens)
+        out = ref_out.to(v.dtype)
+        if ht is not None:
+            ht.copy_(ref_fs)
+    else:
+        q, k, v, g, beta = (_rows_contiguous(t) for t in (q, k, v, g, beta))
+        out = torch.empty(v.shape, dtype=torch.bfloat16, device=q.device)
+        workspace = new_workspace(q, cu_seqlens)
+        torch.ops.flashkda.prefill(
+            q, k, v, g, beta, out, workspace,
+            scale=0.0 if scale is None else float(scale),
+            gate_mode=gate_mode,
+            A_log=A_log_t,
+            dt_bias=dt_bias_t,
+            lower_bound=lb,
+            use_qk_l2norm=bool(use_qk_l2norm_in_kernel),
+            use_beta_sigmoid=use_beta_sigmoid,
+            initial_state=h0,
+            final_state=ht,
+            cu_seqlens=cu_seqlens,
+        )
     if ht is not None and not state_v_first:
         ht = ht.transpose(-1, -2).contiguous()
     return out, ht
