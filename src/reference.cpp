@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "reference_access.h"
+
 namespace flashkda {
 namespace reference {
 
@@ -181,7 +183,7 @@ float bf16_to_float(uint16_t h) {
   return f;
 }
 
-namespace {
+namespace detail {
 
 // double -> bf16 with a single rounding (to nearest even): round to float with round-to-odd first
 // (float keeps 16 more bits than bf16, so the second rounding sees a correct sticky bit).
@@ -201,37 +203,21 @@ uint16_t double_to_bf16(double d) {
   return float_to_bf16(f);
 }
 
-// ---------------------------------------------------------------------------------------------
-// Strided element access
+}  // namespace detail
 
-double load_real(const TensorRef& t, int64_t off) {
-  if (t.dtype == DType::kBFloat16) return bf16_to_float(static_cast<const uint16_t*>(t.data)[off]);
-  return static_cast<const float*>(t.data)[off];
-}
+namespace {
 
-void store_real(const TensorRef& t, int64_t off, double x) {
-  if (t.dtype == DType::kBFloat16) {
-    static_cast<uint16_t*>(t.data)[off] = double_to_bf16(x);
-  } else {
-    static_cast<float*>(t.data)[off] = static_cast<float>(x);
-  }
-}
-
-int64_t load_index(const TensorRef& t, int64_t i) {
-  const int64_t off = i * t.strides[0];
-  if (t.dtype == DType::kInt32) return static_cast<const int32_t*>(t.data)[off];
-  return static_cast<const int64_t*>(t.data)[off];
-}
+using detail::double_to_bf16;
+using detail::load_index;
+using detail::load_index2;
+using detail::load_real;
+using detail::offset4;
+using detail::on_cpu;
+using detail::store_real;
 
 bool load_bool(const TensorRef& t, int64_t i) {
   return static_cast<const uint8_t*>(t.data)[i * t.strides[0]] != 0;
 }
-
-int64_t offset4(const TensorRef& t, int64_t b, int64_t s, int64_t h, int64_t d) {
-  return b * t.strides[0] + s * t.strides[1] + h * t.strides[2] + d * t.strides[3];
-}
-
-bool on_cpu(const TensorRef& t) { return !t.defined() || t.device == DeviceType::kCPU; }
 
 }  // namespace
 
@@ -256,6 +242,8 @@ Status prefill_reference(const PrefillParams& p, int64_t chunk_size) {
       {"cu_seqlens", &p.cu_seqlens},
       {"state_indices", &p.state_indices},
       {"has_initial_state", &p.has_initial_state},
+      {"checkpoint_offsets", &p.checkpoint_offsets},
+      {"checkpoint_state", &p.checkpoint_state},
   };
   for (const auto& a : all) {
     if (!on_cpu(*a.second)) {
@@ -268,13 +256,12 @@ Status prefill_reference(const PrefillParams& p, int64_t chunk_size) {
                            std::to_string(chunk_size));
   }
 
-  const int64_t H = sh.H, K = sh.K, V = sh.V, N = sh.N;
+  const int64_t H = sh.H, K = sh.K, V = sh.V, N = sh.N, n_ckpt = sh.num_checkpoints;
   const double scale = p.scale > 0 ? static_cast<double>(p.scale) : 1.0 / std::sqrt(static_cast<double>(K));
-  const bool gate_params = p.gate_mode != GateMode::kPrecomputed;
-  const float* A_log = gate_params ? static_cast<const float*>(p.A_log.data) : nullptr;
-  const float* dt_bias = gate_params ? static_cast<const float*>(p.dt_bias.data) : nullptr;
+  float* ckpt_state = n_ckpt > 0 ? static_cast<float*>(p.checkpoint_state.data) : nullptr;
 
-  std::vector<double> q, k, v, a, b, o, S(V * K);
+  detail::HeadInputs in;
+  std::vector<double> o, S(V * K);
   for (int64_t n = 0; n < N; ++n) {
     const int64_t row = sh.varlen ? 0 : n;
     const int64_t bos = sh.varlen ? load_index(p.cu_seqlens, n) : 0;
@@ -282,7 +269,7 @@ Status prefill_reference(const PrefillParams& p, int64_t chunk_size) {
     const int64_t L = eos - bos;
     const int64_t slot = p.state_indices.defined() ? load_index(p.state_indices, n) : n;
 
-    if (slot < 0) {  // padding: zero output, no state read or write
+    if (slot < 0) {  // padding: zero output, no state read or write (checkpoints included)
       for (int64_t t = 0; t < L; ++t)
         for (int64_t h = 0; h < H; ++h)
           for (int64_t r = 0; r < V; ++r)
@@ -292,30 +279,9 @@ Status prefill_reference(const PrefillParams& p, int64_t chunk_size) {
     const bool read_state =
         p.initial_state.defined() && (!p.has_initial_state.defined() || load_bool(p.has_initial_state, n));
 
-    q.assign(L * K, 0.0);
-    k.assign(L * K, 0.0);
-    a.assign(L * K, 0.0);
-    v.assign(L * V, 0.0);
-    b.assign(L, 0.0);
     o.assign(L * V, 0.0);
     for (int64_t h = 0; h < H; ++h) {
-      for (int64_t t = 0; t < L; ++t) {
-        const int64_t s = bos + t;
-        for (int64_t c = 0; c < K; ++c) {
-          q[t * K + c] = load_real(p.q, offset4(p.q, row, s, h, c));
-          k[t * K + c] = load_real(p.k, offset4(p.k, row, s, h, c));
-          const double g = load_real(p.g, offset4(p.g, row, s, h, c));
-          a[t * K + c] =
-              gate_params ? gate_log_decay(p.gate_mode, g, A_log[h], dt_bias[h * K + c], p.lower_bound) : g;
-        }
-        for (int64_t r = 0; r < V; ++r) v[t * V + r] = load_real(p.v, offset4(p.v, row, s, h, r));
-        const int64_t boff = row * p.beta.strides[0] + s * p.beta.strides[1] + h * p.beta.strides[2];
-        b[t] = beta_activation(p.use_beta_sigmoid, load_real(p.beta, boff));
-        if (p.use_qk_l2norm) {
-          l2_normalize(&q[t * K], K);
-          l2_normalize(&k[t * K], K);
-        }
-      }
+      detail::load_head_inputs(p, row, bos, L, h, K, V, &in);
 
       const int64_t state_off = (slot * H + h) * V * K;  // states are contiguous [P, H, V, K]
       if (read_state) {
@@ -324,12 +290,27 @@ Status prefill_reference(const PrefillParams& p, int64_t chunk_size) {
         std::fill(S.begin(), S.end(), 0.0);
       }
 
-      if (chunk_size == 0) {
-        kda_recurrent(q.data(), k.data(), v.data(), a.data(), b.data(), L, K, V, scale, S.data(), o.data());
-      } else {
-        kda_chunked(q.data(), k.data(), v.data(), a.data(), b.data(), L, K, V, scale, chunk_size, S.data(),
-                    o.data());
+      // Tokens [t0, t1) advance S; checkpoints split the sequence into such segments.
+      auto advance = [&](int64_t t0, int64_t t1) {
+        const int64_t c = t1 - t0;
+        if (c <= 0) return;
+        if (chunk_size == 0) {
+          kda_recurrent(&in.q[t0 * K], &in.k[t0 * K], &in.v[t0 * V], &in.a[t0 * K], &in.b[t0], c, K, V, scale,
+                        S.data(), &o[t0 * V]);
+        } else {
+          kda_chunked(&in.q[t0 * K], &in.k[t0 * K], &in.v[t0 * V], &in.a[t0 * K], &in.b[t0], c, K, V, scale,
+                      chunk_size, S.data(), &o[t0 * V]);
+        }
+      };
+      int64_t done = 0;
+      for (int64_t j = 0; j < n_ckpt; ++j) {
+        const int64_t off = load_index2(p.checkpoint_offsets, n, j);
+        advance(done, off);
+        done = off;
+        float* dst = ckpt_state + ((n * n_ckpt + j) * H + h) * V * K;  // contiguous [N, n_ckpt, H, V, K]
+        for (int64_t i = 0; i < V * K; ++i) dst[i] = static_cast<float>(S[i]);
       }
+      advance(done, L);
 
       for (int64_t t = 0; t < L; ++t)
         for (int64_t r = 0; r < V; ++r)

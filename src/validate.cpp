@@ -1,8 +1,11 @@
-// Argument validation of the public API (can_implement) and the small TensorRef helpers.
+// Argument validation of the public API (can_implement for prefill, can_implement_decode for the
+// recurrent decode path) and the small TensorRef helpers.
 //
-// can_implement() checks the arguments in a fixed order and returns the first problem it finds as
-// "flashkda: argument '<name>': expected <what>, got <what>".  It never aborts and never writes; it
-// reads host memory only (the values of CPU cu_seqlens / state_indices).  Stride rules follow
+// Both check the arguments in a fixed order and return the first problem they find as
+// "flashkda: argument '<name>': expected <what>, got <what>".  They never abort and never write;
+// they read host memory only (the values of CPU cu_seqlens / state indices / checkpoint offsets /
+// accepted-token counts).  The token inputs (q, k, v, g, beta, out, gate parameters, scalars) are
+// checked by one shared function, so prefill and decode report them alike.  Stride rules follow
 // PyTorch's notion of contiguity: the stride of a dimension of size <= 1 is never looked at.
 #include <algorithm>
 #include <cmath>
@@ -13,6 +16,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "flashkda/decode.h"
 #include "flashkda/flashkda.h"
 
 namespace flashkda {
@@ -260,10 +264,17 @@ Status check_no_self_overlap(const char* name, const TensorRef& t) {
     Status _st = (expr);       \
     if (!_st.ok()) return _st; \
   } while (0)
-
 int64_t read_index(const TensorRef& t, int64_t i) {
   const char* base = static_cast<const char*>(t.data);
   const int64_t off = i * t.strides[0];
+  if (t.dtype == DType::kInt32) return reinterpret_cast<const int32_t*>(base)[off];
+  return reinterpret_cast<const int64_t*>(base)[off];
+}
+
+// Element (i, j) of a 2-D int32 / int64 tensor.
+int64_t read_index2(const TensorRef& t, int64_t i, int64_t j) {
+  const char* base = static_cast<const char*>(t.data);
+  const int64_t off = i * t.strides[0] + j * t.strides[1];
   if (t.dtype == DType::kInt32) return reinterpret_cast<const int32_t*>(base)[off];
   return reinterpret_cast<const int64_t*>(base)[off];
 }
@@ -274,9 +285,26 @@ void byte_range(const TensorRef& t, uintptr_t* lo, uintptr_t* hi) {
   *hi = *lo + static_cast<uintptr_t>(t.numel()) * dtype_size(t.dtype);
 }
 
-}  // namespace
+bool overlaps(const TensorRef& a, const TensorRef& b) {
+  if (!a.defined() || !b.defined() || a.numel() == 0 || b.numel() == 0) return false;
+  uintptr_t alo, ahi, blo, bhi;
+  byte_range(a, &alo, &ahi);
+  byte_range(b, &blo, &bhi);
+  return alo < bhi && blo < ahi;
+}
 
-Status can_implement(const PrefillParams& p, ProblemShape* shape) {
+using NamedRef = std::pair<const char*, const TensorRef*>;
+
+struct TokenDims {
+  int64_t B = 0, T = 0, H = 0, K = 0, V = 0;
+};
+
+// The checks common to prefill and decode, in this order: q (defines B, T, H, K); the device of
+// every given tensor (`others`: the op's remaining tensors, in the order errors should name them);
+// k, v; the head dims; g, beta, out; the gate parameters and the scalars.  `Params` is PrefillParams
+// or DecodeParams (the same member names).
+template <class Params>
+Status check_token_inputs(const Params& p, std::initializer_list<NamedRef> others, TokenDims* d) {
   const char* kBTHK = "(B, T, H, K)";
   const char* kBTHV = "(B, T, H, V)";
 
@@ -291,7 +319,7 @@ Status can_implement(const PrefillParams& p, ProblemShape* shape) {
   // ---- devices: every given tensor where q is.
   {
     const bool gate_params = p.gate_mode != GateMode::kPrecomputed;
-    const std::pair<const char*, const TensorRef*> all[] = {
+    std::vector<NamedRef> all = {
         {"k", &p.k},
         {"v", &p.v},
         {"g", &p.g},
@@ -299,12 +327,8 @@ Status can_implement(const PrefillParams& p, ProblemShape* shape) {
         {"A_log", gate_params ? &p.A_log : nullptr},
         {"dt_bias", gate_params ? &p.dt_bias : nullptr},
         {"out", &p.out},
-        {"initial_state", &p.initial_state},
-        {"final_state", &p.final_state},
-        {"cu_seqlens", &p.cu_seqlens},
-        {"state_indices", &p.state_indices},
-        {"has_initial_state", &p.has_initial_state},
     };
+    all.insert(all.end(), others.begin(), others.end());
     for (const auto& a : all) {
       if (a.second == nullptr || !a.second->defined()) continue;
       if (a.second->device != p.q.device || a.second->device_index != p.q.device_index) {
@@ -407,41 +431,78 @@ Status can_implement(const PrefillParams& p, ProblemShape* shape) {
   }
   if (!std::isfinite(p.scale)) return bad("scale", "a finite value (<= 0 means K^-0.5)", float_str(p.scale));
 
+  d->B = B;
+  d->T = T;
+  d->H = H;
+  d->K = K;
+  d->V = V;
+  return Status::ok_status();
+}
+
+// cu_seqlens [N+1] (then B == 1); values checked when on the host.  Sets *N.
+Status check_cu_seqlens(const TensorRef& cu, int64_t B, int64_t T, int64_t* N) {
+  FLASHKDA_TRY(check_rank("cu_seqlens", cu, 1, "[N+1]"));
+  FLASHKDA_TRY(check_dtype("cu_seqlens", cu, {DType::kInt32, DType::kInt64}));
+  if (cu.sizes[0] < 1) return bad("cu_seqlens", "at least 1 element [N+1]", shape_str(cu));
+  FLASHKDA_TRY(check_contiguous("cu_seqlens", cu));
+  FLASHKDA_TRY(check_data("cu_seqlens", cu));
+  if (B != 1) {
+    return bad("cu_seqlens", "B == 1 (q of shape [1, total_tokens, H, K]) when cu_seqlens is given",
+               "B=" + std::to_string(B));
+  }
+  *N = cu.sizes[0] - 1;
+  if (cu.device == DeviceType::kCPU) {
+    const int64_t first = read_index(cu, 0);
+    if (first != 0) return bad("cu_seqlens", "cu_seqlens[0] == 0", std::to_string(first));
+    int64_t prev = first;
+    for (int64_t i = 1; i <= *N; ++i) {
+      const int64_t c = read_index(cu, i);
+      if (c < prev) {
+        return bad("cu_seqlens",
+                   "non-decreasing values, cu_seqlens[" + std::to_string(i) + "] >= cu_seqlens[" +
+                       std::to_string(i - 1) + "] = " + std::to_string(prev),
+                   "cu_seqlens[" + std::to_string(i) + "] = " + std::to_string(c));
+      }
+      prev = c;
+    }
+    if (prev != T) {
+      return bad("cu_seqlens", "cu_seqlens[" + std::to_string(*N) + "] == T = " + std::to_string(T),
+                 std::to_string(prev));
+    }
+  }
+  return Status::ok_status();
+}
+
+// Token count of sequence n (host cu_seqlens or the fixed length T).
+int64_t seq_len(const TensorRef& cu, int64_t T, int64_t n) {
+  if (!cu.defined()) return T;
+  return read_index(cu, n + 1) - read_index(cu, n);
+}
+
+std::string at2(const char* name, int64_t i, int64_t j) {
+  return std::string(name) + "[" + std::to_string(i) + ", " + std::to_string(j) + "]";
+}
+std::string at1(const char* name, int64_t i) { return std::string(name) + "[" + std::to_string(i) + "]"; }
+
+}  // namespace
+
+Status can_implement(const PrefillParams& p, ProblemShape* shape) {
+  TokenDims d;
+  FLASHKDA_TRY(check_token_inputs(p,
+                                  {{"initial_state", &p.initial_state},
+                                   {"final_state", &p.final_state},
+                                   {"cu_seqlens", &p.cu_seqlens},
+                                   {"state_indices", &p.state_indices},
+                                   {"has_initial_state", &p.has_initial_state},
+                                   {"checkpoint_offsets", &p.checkpoint_offsets},
+                                   {"checkpoint_state", &p.checkpoint_state}},
+                                  &d));
+  const int64_t B = d.B, T = d.T, H = d.H, K = d.K, V = d.V;
+
   // ---- cu_seqlens -> N
   int64_t N = B;
   const bool varlen = p.cu_seqlens.defined();
-  if (varlen) {
-    const TensorRef& cu = p.cu_seqlens;
-    FLASHKDA_TRY(check_rank("cu_seqlens", cu, 1, "[N+1]"));
-    FLASHKDA_TRY(check_dtype("cu_seqlens", cu, {DType::kInt32, DType::kInt64}));
-    if (cu.sizes[0] < 1) return bad("cu_seqlens", "at least 1 element [N+1]", shape_str(cu));
-    FLASHKDA_TRY(check_contiguous("cu_seqlens", cu));
-    FLASHKDA_TRY(check_data("cu_seqlens", cu));
-    if (B != 1) {
-      return bad("cu_seqlens", "B == 1 (q of shape [1, total_tokens, H, K]) when cu_seqlens is given",
-                 "B=" + std::to_string(B));
-    }
-    N = cu.sizes[0] - 1;
-    if (cu.device == DeviceType::kCPU) {
-      const int64_t first = read_index(cu, 0);
-      if (first != 0) return bad("cu_seqlens", "cu_seqlens[0] == 0", std::to_string(first));
-      int64_t prev = first;
-      for (int64_t i = 1; i <= N; ++i) {
-        const int64_t c = read_index(cu, i);
-        if (c < prev) {
-          return bad("cu_seqlens",
-                     "non-decreasing values, cu_seqlens[" + std::to_string(i) + "] >= cu_seqlens[" +
-                         std::to_string(i - 1) + "] = " + std::to_string(prev),
-                     "cu_seqlens[" + std::to_string(i) + "] = " + std::to_string(c));
-        }
-        prev = c;
-      }
-      if (prev != T) {
-        return bad("cu_seqlens", "cu_seqlens[" + std::to_string(N) + "] == T = " + std::to_string(T),
-                   std::to_string(prev));
-      }
-    }
-  }
+  if (varlen) FLASHKDA_TRY(check_cu_seqlens(p.cu_seqlens, B, T, &N));
 
   // ---- states
   const bool pooled = p.state_indices.defined();
@@ -532,6 +593,53 @@ Status can_implement(const PrefillParams& p, ProblemShape* shape) {
     FLASHKDA_TRY(check_data("has_initial_state", hs));
   }
 
+  // ---- checkpoints (spec section 5)
+  int64_t n_ckpt = 0;
+  if (p.checkpoint_offsets.defined() || p.checkpoint_state.defined()) {
+    const TensorRef& co = p.checkpoint_offsets;
+    const TensorRef& cs = p.checkpoint_state;
+    FLASHKDA_TRY(
+        check_given("checkpoint_offsets", co, "[N, n_ckpt] int32/int64 (given with checkpoint_state)"));
+    FLASHKDA_TRY(check_rank("checkpoint_offsets", co, 2, "[N, n_ckpt]"));
+    FLASHKDA_TRY(check_dtype("checkpoint_offsets", co, {DType::kInt32, DType::kInt64}));
+    n_ckpt = co.sizes[1];
+    FLASHKDA_TRY(check_shape("checkpoint_offsets", co, {N, n_ckpt}, "(N, n_ckpt)"));
+    FLASHKDA_TRY(check_contiguous("checkpoint_offsets", co));
+    FLASHKDA_TRY(check_data("checkpoint_offsets", co));
+
+    FLASHKDA_TRY(
+        check_given("checkpoint_state", cs, "[N, n_ckpt, H, V, K] float32 (given with checkpoint_offsets)"));
+    FLASHKDA_TRY(check_rank("checkpoint_state", cs, 5, "[N, n_ckpt, H, V, K]"));
+    FLASHKDA_TRY(check_dtype("checkpoint_state", cs, {DType::kFloat32}));
+    FLASHKDA_TRY(check_shape("checkpoint_state", cs, {N, n_ckpt, H, V, K}, "(N, n_ckpt, H, V, K)"));
+    FLASHKDA_TRY(check_contiguous("checkpoint_state", cs));
+    FLASHKDA_TRY(check_data("checkpoint_state", cs));
+    for (const auto& s : states) {
+      if (overlaps(cs, *s.second)) {
+        return bad("checkpoint_state", std::string("no memory shared with ") + s.first, "an overlap");
+      }
+    }
+
+    if (p.q.device == DeviceType::kCUDA) {
+      return Status::not_implemented("flashkda: checkpoint states on CUDA are not implemented yet");
+    }
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t len = varlen ? seq_len(p.cu_seqlens, T, n) : T;
+      int64_t prev = 0;
+      for (int64_t j = 0; j < n_ckpt; ++j) {
+        const int64_t off = read_index2(co, n, j);
+        if (off < prev || off > len) {
+          const std::string lo = j == 0 ? std::string("0") : at2("checkpoint_offsets", n, j - 1);
+          return bad("checkpoint_offsets",
+                     "values in [" + lo + ", length of sequence " + std::to_string(n) + " = " +
+                         std::to_string(len) + "] (non-decreasing token offsets in each row)",
+                     at2("checkpoint_offsets", n, j) + " = " + std::to_string(off));
+        }
+        prev = off;
+      }
+    }
+  }
+
   if (shape) {
     shape->B = B;
     shape->T = T;
@@ -541,6 +649,172 @@ Status can_implement(const PrefillParams& p, ProblemShape* shape) {
     shape->N = N;
     shape->total_tokens = B * T;
     shape->varlen = varlen;
+    shape->num_checkpoints = n_ckpt;
+  }
+  return Status::ok_status();
+}
+
+Status can_implement_decode(const DecodeParams& p, DecodeShape* shape) {
+  TokenDims d;
+  FLASHKDA_TRY(check_token_inputs(p,
+                                  {{"state_pool", &p.state_pool},
+                                   {"ssm_state_indices", &p.ssm_state_indices},
+                                   {"num_accepted_tokens", &p.num_accepted_tokens},
+                                   {"cu_seqlens", &p.cu_seqlens}},
+                                  &d));
+  const int64_t B = d.B, T = d.T, H = d.H, K = d.K, V = d.V;
+
+  // ---- cu_seqlens -> N
+  int64_t N = B;
+  const bool varlen = p.cu_seqlens.defined();
+  if (varlen) FLASHKDA_TRY(check_cu_seqlens(p.cu_seqlens, B, T, &N));
+
+  // ---- state pool
+  const TensorRef& pool = p.state_pool;
+  FLASHKDA_TRY(check_given("state_pool", pool, "[P, H, V, K] float32/bfloat16"));
+  FLASHKDA_TRY(check_rank("state_pool", pool, 4, "[P, H, V, K]"));
+  FLASHKDA_TRY(check_dtype("state_pool", pool, {DType::kFloat32, DType::kBFloat16}));
+  if (pool.sizes[0] < 1 || pool.sizes[1] != H || pool.sizes[2] != V || pool.sizes[3] != K) {
+    return bad("state_pool",
+               "shape [P, " + std::to_string(H) + ", " + std::to_string(V) + ", " + std::to_string(K) +
+                   "] (P >= 1 pool rows, H, V, K)",
+               shape_str(pool));
+  }
+  FLASHKDA_TRY(check_contiguous("state_pool", pool));
+  FLASHKDA_TRY(check_data("state_pool", pool));
+  const int64_t P = pool.sizes[0];
+
+  // ---- ssm_state_indices: [N] or [N, S]
+  const TensorRef& si = p.ssm_state_indices;
+  FLASHKDA_TRY(check_given("ssm_state_indices", si, "[N] or [N, S] int32/int64"));
+  if (si.ndim != 1 && si.ndim != 2) {
+    return bad(
+        "ssm_state_indices", "rank 1 [N] or rank 2 [N, S]",
+        "rank " + std::to_string(si.ndim) + (si.ndim <= kMaxRank ? " " + shape_str(si) : std::string()));
+  }
+  FLASHKDA_TRY(check_dtype("ssm_state_indices", si, {DType::kInt32, DType::kInt64}));
+  const bool spec = si.ndim == 2;
+  int64_t S = 1;
+  if (spec) {
+    S = si.sizes[1];
+    if (varlen) {
+      if (si.sizes[0] != N || S < 1) {
+        return bad("ssm_state_indices",
+                   "shape [" + std::to_string(N) + ", S] (N requests, S >= 1 slots per request)",
+                   shape_str(si));
+      }
+    } else {
+      FLASHKDA_TRY(check_shape("ssm_state_indices", si, {N, T}, "(N, T): one write slot per token"));
+    }
+  } else {
+    FLASHKDA_TRY(check_shape("ssm_state_indices", si, {N}, "(N)"));
+  }
+  FLASHKDA_TRY(check_contiguous("ssm_state_indices", si));
+  FLASHKDA_TRY(check_data("ssm_state_indices", si));
+
+  // ---- num_accepted_tokens: [N], with 2-D indices only
+  const TensorRef& na = p.num_accepted_tokens;
+  if (spec) {
+    FLASHKDA_TRY(
+        check_given("num_accepted_tokens", na, "[N] int32/int64 (required with 2-D ssm_state_indices)"));
+    FLASHKDA_TRY(check_rank("num_accepted_tokens", na, 1, "[N]"));
+    FLASHKDA_TRY(check_dtype("num_accepted_tokens", na, {DType::kInt32, DType::kInt64}));
+    FLASHKDA_TRY(check_shape("num_accepted_tokens", na, {N}, "(N)"));
+    FLASHKDA_TRY(check_contiguous("num_accepted_tokens", na));
+    FLASHKDA_TRY(check_data("num_accepted_tokens", na));
+  } else if (na.defined()) {
+    return bad("num_accepted_tokens",
+               "none with 1-D ssm_state_indices (it selects the read slot of 2-D ones)",
+               "a tensor " + (na.ndim <= kMaxRank ? shape_str(na) : "of rank " + std::to_string(na.ndim)));
+  }
+
+  // ---- index values (host tensors only; the kernel checks device ones)
+  if (p.q.device == DeviceType::kCPU) {
+    // Range of every entry.
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t j = 0; j < S; ++j) {
+        const int64_t idx = spec ? read_index2(si, n, j) : read_index(si, n);
+        if (idx >= P) {
+          return bad("ssm_state_indices",
+                     "values < P = " + std::to_string(P) + " (pool rows; negative values mean padding)",
+                     (spec ? at2("ssm_state_indices", n, j) : at1("ssm_state_indices", n)) + " = " +
+                         std::to_string(idx));
+        }
+      }
+    }
+    if (spec) {
+      for (int64_t n = 0; n < N; ++n) {
+        const int64_t acc = read_index(na, n);
+        if (acc < 1 || acc > S) {
+          return bad("num_accepted_tokens",
+                     "values in [1, " + std::to_string(S) + "] (1 + accepted drafts; S = slots per request)",
+                     at1("num_accepted_tokens", n) + " = " + std::to_string(acc));
+        }
+      }
+    }
+    // Read slot of each request (negative: padded), token counts, and the write slots.
+    std::vector<int64_t> read_slot(static_cast<size_t>(N));
+    for (int64_t n = 0; n < N; ++n) {
+      read_slot[n] = spec ? read_index2(si, n, read_index(na, n) - 1) : read_index(si, n);
+    }
+    std::unordered_map<int64_t, std::pair<int64_t, int64_t>> writer;  // pool row -> (request, column)
+    for (int64_t n = 0; n < N; ++n) {
+      if (read_slot[n] < 0) continue;  // padded: nothing read or written
+      const int64_t len = seq_len(p.cu_seqlens, T, n);
+      if (spec && len > S) {
+        return bad("ssm_state_indices",
+                   std::to_string(len) + " write slots for request " + std::to_string(n) + " (one per token)",
+                   std::to_string(S) + " columns");
+      }
+      const int64_t n_writes = spec ? len : 1;
+      for (int64_t j = 0; j < n_writes; ++j) {
+        const int64_t w = spec ? read_index2(si, n, j) : read_slot[n];
+        if (w < 0) continue;  // skipped write
+        auto ins = writer.emplace(w, std::make_pair(n, j));
+        if (!ins.second) {
+          const auto& prev = ins.first->second;
+          const std::string a = spec ? at2("ssm_state_indices", n, j) : at1("ssm_state_indices", n);
+          const std::string b =
+              spec ? at2("ssm_state_indices", prev.first, prev.second) : at1("ssm_state_indices", prev.first);
+          return bad("ssm_state_indices",
+                     "distinct non-negative write slots (each pool row written at most once per call)",
+                     a + " = " + b + " = " + std::to_string(w));
+        }
+      }
+    }
+    for (int64_t n = 0; n < N; ++n) {
+      if (read_slot[n] < 0) continue;
+      auto it = writer.find(read_slot[n]);
+      if (it != writer.end() && it->second.first != n) {
+        const int64_t m = it->second.first;
+        return bad("ssm_state_indices",
+                   "no pool row read by one request and written by another (request " + std::to_string(n) +
+                       " reads row " + std::to_string(read_slot[n]) + ")",
+                   "row " + std::to_string(read_slot[n]) + " written by request " + std::to_string(m) + " (" +
+                       (spec ? at2("ssm_state_indices", m, it->second.second) : at1("ssm_state_indices", m)) +
+                       ")");
+      }
+    }
+  }
+
+  if (p.q.device == DeviceType::kCUDA) {
+    return Status::not_implemented(
+        "flashkda: the sm90 decode kernel is not implemented yet; use the CPU reference or fla's "
+        "fused_recurrent_kda");
+  }
+
+  if (shape) {
+    shape->B = B;
+    shape->T = T;
+    shape->H = H;
+    shape->K = K;
+    shape->V = V;
+    shape->N = N;
+    shape->P = P;
+    shape->slots = S;
+    shape->total_tokens = B * T;
+    shape->varlen = varlen;
+    shape->spec = spec;
   }
   return Status::ok_status();
 }

@@ -69,6 +69,12 @@ TensorRef make_strided_tensor_ref(void* data, DType dtype, std::initializer_list
 //     With state_indices they are a state pool [P, H, V, K] and sequence n uses row state_indices[n].
 //   cu_seqlens [N+1] int32/int64 (then B == 1); without it N = B.
 //   state_indices [N] int32/int64 (optional); has_initial_state [N] bool (optional).
+//   checkpoint_offsets [N, n_ckpt] int32/int64 and checkpoint_state [N, n_ckpt, H, V, K] fp32
+//     (optional, given together; spec section 5): checkpoint_state[n, j] receives the state of
+//     sequence n after its first checkpoint_offsets[n, j] tokens (0 <= offset <= length of sequence
+//     n, non-decreasing along a row; offset 0 is the starting state), i.e. the final state of running
+//     that prefix alone.  Padded sequences (negative state index) leave their rows untouched.  CPU
+//     only for now: with CUDA tensors can_implement() returns kNotImplemented.
 // Strides: each token's [H, D] block (q, k, v, g, out) and [H] (beta) must be contiguous; the token
 // and batch strides are free, so slices of fused projections are read in place.
 struct PrefillParams {
@@ -79,6 +85,8 @@ struct PrefillParams {
   TensorRef cu_seqlens;
   TensorRef state_indices;
   TensorRef has_initial_state;
+  TensorRef checkpoint_offsets;  // [N, n_ckpt] int32/int64, contiguous
+  TensorRef checkpoint_state;    // [N, n_ckpt, H, V, K] fp32, contiguous, written
 
   GateMode gate_mode = GateMode::kBounded;
   bool use_qk_l2norm = true;
@@ -107,6 +115,7 @@ struct ProblemShape {
   int64_t B = 0, T = 0, H = 0, K = 0, V = 0, N = 0;
   int64_t total_tokens = 0;  // B * T
   bool varlen = false;
+  int64_t num_checkpoints = 0;  // n_ckpt (0 without checkpoints)
 };
 
 // Bytes of workspace a CUDA call needs; CPU calls need none.  Depends only on sizes known to the

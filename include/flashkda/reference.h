@@ -5,12 +5,15 @@
 //    section 2 and the chunked form of section 3.  Tests check that they agree to ~1e-10, which
 //    validates the algebra the GPU kernels use.
 //  * prefill_reference(params): the whole op on CPU tensors (preprocessing, varlen, state pool,
-//    bf16/fp32 state, bf16 output), used by the CPU dispatch of the ops and by flashkda::run.
+//    bf16/fp32 state, bf16 output, checkpoint states), used by the CPU dispatch of the ops and by
+//    flashkda::run; decode_reference(params): the recurrent decode / speculative decode of decode.h
+//    on CPU tensors (used by flashkda::run_decode).
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
+#include "flashkda/decode.h"
 #include "flashkda/flashkda.h"
 
 namespace flashkda {
@@ -34,7 +37,15 @@ double beta_activation(bool use_sigmoid, double beta);
 
 // The whole prefill on CPU tensors.  Validates with can_implement() first (and so writes nothing
 // on error).  `chunk_size` 0 uses the recurrence; > 0 the chunked core (for tests).
+// With checkpoint_offsets / checkpoint_state it also writes the state after each checkpoint offset
+// (the recurrence is run segment by segment, so a checkpoint is bit-identical to the final state of
+// running that prefix alone when chunk_size is 0).
 Status prefill_reference(const PrefillParams& p, int64_t chunk_size = 0);
+
+// The whole decode (decode.h) on CPU tensors: validates with can_implement_decode() first (writes
+// nothing on error), reads every request's start state, then runs the recurrence token by token,
+// writing the state after each token to its slot (2-D indices) or after the last one (1-D).
+Status decode_reference(const DecodeParams& p);
 
 // bf16 helpers (round to nearest even; NaN stays NaN).
 uint16_t float_to_bf16(float f);
