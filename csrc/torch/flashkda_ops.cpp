@@ -1,10 +1,11 @@
 // PyTorch binding of the torch-free FlashKDA API: the ops torch.ops.flashkda.*.
 //
 // This is a plain shared library (no pybind): `torch.ops.load_library(path)` runs the static
-// registrations below.  Every op funnels into one function, run_prefill(), that turns the
+// registrations below.  The prefill ops funnel into one function, run_prefill(), that turns the
 // at::Tensors into flashkda::TensorRefs, lets flashkda::can_implement() judge them (so the error
 // names the argument, the expected and the given value), and then calls flashkda::run() on the
-// current stream.  Status codes map onto Python exceptions:
+// current stream; the decode op does the same in decode_impl() (flashkda::can_implement_decode,
+// flashkda::run_decode).  Status codes map onto Python exceptions:
 //   kInvalidArgument -> ValueError, kNotImplemented -> NotImplementedError, others -> RuntimeError.
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
@@ -14,6 +15,7 @@
 #include <cstdint>
 #include <string>
 
+#include "flashkda/decode.h"
 #include "flashkda/flashkda.h"
 
 #if defined(FLASHKDA_TORCH_CUDA)
@@ -112,7 +114,9 @@ void run_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
                  const c10::optional<at::Tensor>& A_log, const c10::optional<at::Tensor>& dt_bias,
                  const c10::optional<at::Tensor>& initial_state, const c10::optional<at::Tensor>& final_state,
                  const c10::optional<at::Tensor>& cu_seqlens, const c10::optional<at::Tensor>& state_indices,
-                 const c10::optional<at::Tensor>& has_initial_state, const Options& opt) {
+                 const c10::optional<at::Tensor>& has_initial_state,
+                 const c10::optional<at::Tensor>& checkpoint_offsets,
+                 const c10::optional<at::Tensor>& checkpoint_state, const Options& opt) {
   flashkda::PrefillParams p;
   p.q = to_ref(q, "q");
   p.k = to_ref(k, "k");
@@ -127,6 +131,8 @@ void run_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   p.cu_seqlens = to_ref(cu_seqlens, "cu_seqlens");
   p.state_indices = to_ref(state_indices, "state_indices");
   p.has_initial_state = to_ref(has_initial_state, "has_initial_state");
+  p.checkpoint_offsets = to_ref(checkpoint_offsets, "checkpoint_offsets");
+  p.checkpoint_state = to_ref(checkpoint_state, "checkpoint_state");
   p.gate_mode = opt.gate_mode;
   p.use_qk_l2norm = opt.use_qk_l2norm;
   p.use_beta_sigmoid = opt.use_beta_sigmoid;
@@ -175,7 +181,7 @@ void fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
   opt.scale = scale;
   opt.lower_bound = lower_bound;
   run_prefill(q, k, v, g, beta, out, workspace, A_log, dt_bias, initial_state, final_state, cu_seqlens,
-              c10::nullopt, c10::nullopt, opt);
+              c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt, opt);
 }
 
 void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
@@ -185,7 +191,9 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   bool use_beta_sigmoid, const c10::optional<at::Tensor>& initial_state,
                   const c10::optional<at::Tensor>& final_state, const c10::optional<at::Tensor>& cu_seqlens,
                   const c10::optional<at::Tensor>& state_indices,
-                  const c10::optional<at::Tensor>& has_initial_state) {
+                  const c10::optional<at::Tensor>& has_initial_state,
+                  const c10::optional<at::Tensor>& checkpoint_offsets,
+                  const c10::optional<at::Tensor>& checkpoint_state) {
   Options opt;
   opt.gate_mode = parse_gate_mode(gate_mode);
   opt.use_qk_l2norm = use_qk_l2norm;
@@ -193,7 +201,45 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   opt.scale = scale;
   opt.lower_bound = lower_bound;
   run_prefill(q, k, v, g, beta, out, workspace, A_log, dt_bias, initial_state, final_state, cu_seqlens,
-              state_indices, has_initial_state, opt);
+              state_indices, has_initial_state, checkpoint_offsets, checkpoint_state, opt);
+}
+
+// decode: the recurrent path on a state pool (flashkda/decode.h).  CPU tensors run the reference;
+// CUDA tensors get NotImplementedError from run_decode until the sm90 decode kernel exists.
+void decode_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                 const at::Tensor& beta, const at::Tensor& out, const at::Tensor& state_pool,
+                 const at::Tensor& ssm_state_indices, const c10::optional<at::Tensor>& num_accepted_tokens,
+                 const c10::optional<at::Tensor>& cu_seqlens, double scale, c10::string_view gate_mode,
+                 const c10::optional<at::Tensor>& A_log, const c10::optional<at::Tensor>& dt_bias,
+                 double lower_bound, bool use_qk_l2norm, bool use_beta_sigmoid) {
+  flashkda::DecodeParams p;
+  p.q = to_ref(q, "q");
+  p.k = to_ref(k, "k");
+  p.v = to_ref(v, "v");
+  p.g = to_ref(g, "g");
+  p.beta = to_ref(beta, "beta");
+  p.A_log = to_ref(A_log, "A_log");
+  p.dt_bias = to_ref(dt_bias, "dt_bias");
+  p.out = to_ref(out, "out");
+  p.state_pool = to_ref(state_pool, "state_pool");
+  p.ssm_state_indices = to_ref(ssm_state_indices, "ssm_state_indices");
+  p.num_accepted_tokens = to_ref(num_accepted_tokens, "num_accepted_tokens");
+  p.cu_seqlens = to_ref(cu_seqlens, "cu_seqlens");
+  p.gate_mode = parse_gate_mode(gate_mode);
+  p.use_qk_l2norm = use_qk_l2norm;
+  p.use_beta_sigmoid = use_beta_sigmoid;
+  p.scale = static_cast<float>(scale);
+  p.lower_bound = static_cast<float>(lower_bound);
+
+  flashkda::Stream stream = nullptr;
+#if defined(FLASHKDA_TORCH_CUDA)
+  if (q.is_cuda()) {
+    stream = reinterpret_cast<flashkda::Stream>(c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
+  }
+#endif
+  // No workspace argument: the CPU reference needs none, and the CUDA kernel (a later task) will size
+  // its own needs from workspace_size_decode().
+  throw_status(flashkda::run_decode(p, nullptr, 0, stream));
 }
 
 int64_t get_workspace_size(int64_t T_total, int64_t H, int64_t N) {
@@ -253,11 +299,26 @@ void prefill_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   bool use_beta_sigmoid, const c10::optional<at::Tensor>& initial_state,
                   const c10::optional<at::Tensor>& final_state, const c10::optional<at::Tensor>& cu_seqlens,
                   const c10::optional<at::Tensor>& state_indices,
-                  const c10::optional<at::Tensor>& has_initial_state) {
+                  const c10::optional<at::Tensor>& has_initial_state,
+                  const c10::optional<at::Tensor>& checkpoint_offsets,
+                  const c10::optional<at::Tensor>& checkpoint_state) {
   c10::optional<c10::cuda::CUDAGuard> guard;
   if (q.is_cuda()) guard.emplace(q.device());
   prefill_impl(q, k, v, g, beta, out, workspace, scale, gate_mode, A_log, dt_bias, lower_bound, use_qk_l2norm,
-               use_beta_sigmoid, initial_state, final_state, cu_seqlens, state_indices, has_initial_state);
+               use_beta_sigmoid, initial_state, final_state, cu_seqlens, state_indices, has_initial_state,
+               checkpoint_offsets, checkpoint_state);
+}
+
+void decode_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                 const at::Tensor& beta, const at::Tensor& out, const at::Tensor& state_pool,
+                 const at::Tensor& ssm_state_indices, const c10::optional<at::Tensor>& num_accepted_tokens,
+                 const c10::optional<at::Tensor>& cu_seqlens, double scale, c10::string_view gate_mode,
+                 const c10::optional<at::Tensor>& A_log, const c10::optional<at::Tensor>& dt_bias,
+                 double lower_bound, bool use_qk_l2norm, bool use_beta_sigmoid) {
+  c10::optional<c10::cuda::CUDAGuard> guard;
+  if (q.is_cuda()) guard.emplace(q.device());
+  decode_impl(q, k, v, g, beta, out, state_pool, ssm_state_indices, num_accepted_tokens, cu_seqlens, scale,
+              gate_mode, A_log, dt_bias, lower_bound, use_qk_l2norm, use_beta_sigmoid);
 }
 #endif
 
@@ -283,7 +344,13 @@ TORCH_LIBRARY(flashkda, m) {
       "float scale=0.0, str gate_mode=\"bounded\", Tensor? A_log=None, Tensor? dt_bias=None, "
       "float lower_bound=-5.0, bool use_qk_l2norm=True, bool use_beta_sigmoid=True, "
       "Tensor? initial_state=None, Tensor(b!)? final_state=None, Tensor? cu_seqlens=None, "
-      "Tensor? state_indices=None, Tensor? has_initial_state=None) -> ()");
+      "Tensor? state_indices=None, Tensor? has_initial_state=None, Tensor? checkpoint_offsets=None, "
+      "Tensor(d!)? checkpoint_state=None) -> ()");
+  m.def(
+      "decode(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) out, Tensor(b!) state_pool, "
+      "Tensor ssm_state_indices, *, Tensor? num_accepted_tokens=None, Tensor? cu_seqlens=None, "
+      "float scale=0.0, str gate_mode=\"bounded\", Tensor? A_log=None, Tensor? dt_bias=None, "
+      "float lower_bound=-5.0, bool use_qk_l2norm=True, bool use_beta_sigmoid=True) -> ()");
   m.def("read_device_error(Tensor workspace) -> int");
   m.def("clear_device_error(Tensor(a!) workspace) -> ()");
   m.def("built_with_cuda() -> bool", &flashkda_torch::built_with_cuda);
@@ -292,6 +359,7 @@ TORCH_LIBRARY(flashkda, m) {
 TORCH_LIBRARY_IMPL(flashkda, CPU, m) {
   m.impl("fwd", &flashkda_torch::fwd_impl);
   m.impl("prefill", &flashkda_torch::prefill_impl);
+  m.impl("decode", &flashkda_torch::decode_impl);
   m.impl("read_device_error", &flashkda_torch::read_device_error_cpu);
   m.impl("clear_device_error", &flashkda_torch::clear_device_error_cpu);
 }
@@ -300,6 +368,7 @@ TORCH_LIBRARY_IMPL(flashkda, CPU, m) {
 TORCH_LIBRARY_IMPL(flashkda, CUDA, m) {
   m.impl("fwd", &flashkda_torch::fwd_cuda);
   m.impl("prefill", &flashkda_torch::prefill_cuda);
+  m.impl("decode", &flashkda_torch::decode_cuda);
   m.impl("read_device_error", &flashkda_torch::read_device_error_cuda);
   m.impl("clear_device_error", &flashkda_torch::clear_device_error_cuda);
 }

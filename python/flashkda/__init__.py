@@ -41,6 +41,7 @@ _library_path = _load_library()
 from . import reference  # noqa: E402
 from .backend import Selection, select_backend  # noqa: E402
 from .chunk import chunk_kda, explain  # noqa: E402
+from .decode import decode  # noqa: E402
 from .ops import (  # noqa: E402
     DEVICE_ERRORS,
     clear_device_error,

@@ -3,7 +3,8 @@
 The ops themselves are registered by the C++ library (csrc/torch/flashkda_ops.cpp):
 
 * ``fwd``: the fused "Kimi" configuration (bounded gate, q/k l2norm, beta sigmoid);
-* ``prefill``: every gate mode and flag, varlen, state pools (``state_indices``);
+* ``prefill``: every gate mode and flag, varlen, state pools (``state_indices``), checkpoint states;
+* ``decode``: the recurrent decode / speculative decode on a state pool (wrapper: ``flashkda.decode``);
 * ``get_workspace_size``: bytes of workspace a CUDA call needs.
 
 They write into caller-provided ``out`` / ``final_state`` / ``workspace`` and return nothing, so
@@ -48,7 +49,14 @@ def _fwd_fake(q, k, v, g, beta, scale, out, workspace, A_log, dt_bias, lower_bou
 def _prefill_fake(q, k, v, g, beta, out, workspace, *, scale=0.0, gate_mode="bounded", A_log=None,
                   dt_bias=None, lower_bound=-5.0, use_qk_l2norm=True, use_beta_sigmoid=True,
                   initial_state=None, final_state=None, cu_seqlens=None, state_indices=None,
-                  has_initial_state=None):
+                  has_initial_state=None, checkpoint_offsets=None, checkpoint_state=None):
+    return None
+
+
+@torch.library.register_fake("flashkda::decode")
+def _decode_fake(q, k, v, g, beta, out, state_pool, ssm_state_indices, *, num_accepted_tokens=None,
+                 cu_seqlens=None, scale=0.0, gate_mode="bounded", A_log=None, dt_bias=None, lower_bound=-5.0,
+                 use_qk_l2norm=True, use_beta_sigmoid=True):
     return None
 
 
@@ -161,6 +169,8 @@ def prefill(
     cu_seqlens: Optional[Tensor] = None,
     state_indices: Optional[Tensor] = None,
     has_initial_state: Optional[Tensor] = None,
+    checkpoint_offsets: Optional[Tensor] = None,
+    checkpoint_state: Optional[Tensor] = None,
 ) -> Tensor:
     """The general KDA prefill (``torch.ops.flashkda.prefill``); returns ``out``.
 
@@ -169,6 +179,12 @@ def prefill(
     switch the fused preprocessing.  With ``state_indices [N]`` the states are a pool
     ``[P, H, V, K]`` and sequence n uses row ``state_indices[n]`` (negative: padded sequence);
     ``has_initial_state [N]`` bool starts the sequences marked False from zeros.
+
+    Checkpoints (prefix caching): with ``checkpoint_offsets [N, n_ckpt]`` int32/int64 (token offsets
+    from each sequence's start, ``0 <= off <= len_n``, non-decreasing per row) the state after the
+    first ``checkpoint_offsets[n, j]`` tokens of sequence n is written to ``checkpoint_state[n, j]``
+    (``[N, n_ckpt, H, V, K]`` fp32, written in place; the two are given together).  Rows of padded
+    sequences are left untouched.  CPU only for now (CUDA raises ``NotImplementedError``).
     """
     _check_no_grad("prefill", q, k, v, g, beta, A_log, dt_bias, initial_state)
     if out is None:
@@ -189,6 +205,8 @@ def prefill(
         cu_seqlens=cu_seqlens,
         state_indices=state_indices,
         has_initial_state=has_initial_state,
+        checkpoint_offsets=checkpoint_offsets,
+        checkpoint_state=checkpoint_state,
     )
     return out
 

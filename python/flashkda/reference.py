@@ -1,4 +1,4 @@
-"""Float64 pure-PyTorch reference of KDA prefill (the recurrence of kda_spec.md section 2).
+"""Float64 pure-PyTorch reference of KDA prefill and decode (the recurrence of kda_spec.md section 2).
 
 This is the ground truth the tests and the demo judge the kernels against: the obvious loop over
 tokens, in float64, on the same (bf16) inputs upcast.  To stay fast enough for long sequences it
@@ -8,6 +8,7 @@ on the GPU (the tensors' device, or ``device=``) for long inputs.
 
 Layouts are those of the ops: q, k, g ``[B, T, H, K]``, v ``[B, T, H, V]``, beta ``[B, T, H]``,
 states V-first ``[N, H, V, K]`` (row v holds the K-vector).  With ``cu_seqlens`` B must be 1.
+:func:`decode` is the recurrent decode / speculative decode on a state pool (section 4).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ __all__ = [
     "gate_log_decay",
     "beta_activation",
     "prefill",
+    "decode",
     "recurrent",
     "update_state_pool",
     "rel_err",
@@ -184,6 +186,92 @@ def prefill(
     out[idx[keep]] = o_pad[keep]
     S = torch.where(pad[:, None, None, None], torch.zeros_like(S), S)
     return out.reshape(B, T, H, Vd), S
+
+
+@torch.no_grad()
+def decode(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state_pool: Tensor,
+    ssm_state_indices: Tensor,
+    *,
+    num_accepted_tokens: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    gate_mode: str = "bounded",
+    A_log: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+    lower_bound: float = -5.0,
+    use_qk_l2norm: bool = True,
+    use_beta_sigmoid: bool = True,
+    device: Optional[torch.device] = None,
+) -> Tuple[Tensor, Tensor]:
+    """KDA decode on a state pool in float64.  Returns ``(out [B, T, H, V], pool [P, H, V, K])``.
+
+    The semantics of ``flashkda.decode`` (kda_spec.md section 4), on valid inputs: request n reads
+    ``pool[idx[n]]`` (1-D indices) or ``pool[idx[n, num_accepted[n] - 1]]`` (2-D), runs its tokens,
+    and writes the state after its last token back to ``pool[idx[n]]`` (1-D) or the state after
+    token t to ``pool[idx[n, t]]`` (2-D; negative slots are skipped).  A negative read slot pads the
+    request: zero output, nothing read or written.  Every read sees the pool as it was before the
+    call.  ``pool`` is a float64 copy of ``state_pool`` with those writes applied.
+    """
+    device = torch.device(device) if device is not None else q.device
+    B, T, H, K = q.shape
+    Vd = v.shape[-1]
+    if scale is None or scale <= 0:
+        scale = K ** -0.5
+
+    def flat(x, d):
+        return x.to(device=device, dtype=torch.float64).reshape(B * T, H, d)
+
+    qf, kf, vf = flat(q, K), flat(k, K), flat(v, Vd)
+    if use_qk_l2norm:
+        qf, kf = l2norm(qf), l2norm(kf)
+    af = gate_log_decay(g.to(device).reshape(B * T, H, K), gate_mode, A_log, dt_bias, lower_bound)
+    bf = beta_activation(beta.to(device).reshape(B * T, H), use_beta_sigmoid)
+
+    seqs = _seq_bounds(B, T, cu_seqlens)
+    N = len(seqs)
+    before = state_pool.to(device=device, dtype=torch.float64)
+    pool = before.clone()
+    out = torch.zeros(B * T, H, Vd, dtype=torch.float64, device=device)
+    if N == 0:
+        return out.reshape(B, T, H, Vd), pool
+    idx = ssm_state_indices.to(device=device, dtype=torch.long)
+    spec = idx.dim() == 2
+    if spec:
+        if num_accepted_tokens is None:
+            raise ValueError("2-D ssm_state_indices need num_accepted_tokens")
+        acc = num_accepted_tokens.to(device=device, dtype=torch.long)
+        read = idx.gather(1, (acc - 1)[:, None])[:, 0]
+    else:
+        read = idx
+    live = read >= 0  # padded requests: nothing read or written, zero output
+
+    # All requests at once, padded to the longest (as in prefill), one token per step.
+    L = max(n for _, n in seqs)
+    starts = torch.tensor([s for s, _ in seqs], dtype=torch.long, device=device)
+    lens = torch.tensor([n for _, n in seqs], dtype=torch.long, device=device)
+    pos = torch.arange(L, device=device)
+    active = (pos[None, :] < lens[:, None]) & live[:, None]  # [N, L]
+    tok = torch.where(active, starts[:, None] + pos[None, :], torch.zeros_like(active, dtype=torch.long))
+    S = torch.zeros(N, H, Vd, K, dtype=torch.float64, device=device)
+    S[live] = before[read[live]]
+    o = torch.zeros(N, L, H, Vd, dtype=torch.float64, device=device)
+    for t in range(L):
+        r = tok[:, t:t + 1]
+        o_t, S = recurrent(qf[r], kf[r], vf[r], af[r], bf[r], float(scale), S, active[:, t:t + 1])
+        o[:, t] = o_t[:, 0]
+        if spec and t < idx.shape[1]:  # (a padded request may have more tokens than slots)
+            write = active[:, t] & (idx[:, t] >= 0)
+            pool[idx[write, t]] = S[write]
+    if not spec:
+        pool[read[live]] = S[live]
+    out[tok[active]] = o[active]
+    return out.reshape(B, T, H, Vd), pool
 
 
 def update_state_pool(pool: Tensor, final: Tensor, state_indices: Optional[Tensor]) -> Tensor:
