@@ -44,8 +44,6 @@ inline int64_t offset4(const TensorRef& t, int64_t b, int64_t s, int64_t h, int6
   return b * t.strides[0] + s * t.strides[1] + h * t.strides[2] + d * t.strides[3];
 }
 
-inline bool on_cpu(const TensorRef& t) { return !t.defined() || t.device == DeviceType::kCPU; }
-
 // Preprocessed double inputs of tokens [bos, bos + L) of batch row `row`, head h (spec section 2:
 // l2norm, gate, beta activation as the params say).  `Params` is PrefillParams or DecodeParams.
 struct HeadInputs {
