@@ -4,6 +4,11 @@
 # JSON/markdown and the Triton autotune cache (for the next call) go beside it.
 #   MODE=quick  build + debug + GPU tests + sanitizer + bench without fla
 #   MODE=full   the same with fla in the benchmark (default)
+#   NCU=1       also Nsight Compute sections of both kernels; SANITIZE=0 skips compute-sanitizer
+# Usage from the device tool (the device copy of the tree has no usable git history, so pass the
+# commit in): FLASHKDA_COMMIT=<sha> MODE=full bash scripts/gpu_run.sh, carrying .whl (fla-core and
+# its pure-Python deps as wheels) and, to skip fla's ~90 s autotune per head count, .cache with the
+# triton_cache.tgz.part* files a previous run left under $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/flashkda_out}
 MODE=${MODE:-full}
