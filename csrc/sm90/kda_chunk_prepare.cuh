@@ -14,7 +14,8 @@
 //      A = k_i 2^(G_i - G_ref), B = k_j 2^(G_ref - G_j), both <= 1 for any gate.  Diagonal blocks use
 //      row 16I+7; when a chunk's half-span exceeds kMaxHalfSpanLog2 they are summed pairwise instead.
 //      The diagonal blocks carry the largest entries of L and MQK, so their factors go through
-//      tf32 mma (fp32 range, 10-bit mantissa) rather than bf16.
+//      tf32 mma (fp32 range, 10-bit mantissa) rather than bf16.  MQK is stored fp16 with a
+//      power-of-two shift from the bound scale |q_i| |k_j|.
 //   4. kt = k 2^G (fp16) replaces G; T_inv = (I + L)^-1 in fp32 replaces q, k: 16x16 diagonal blocks
 //      by forward substitution (one warp each), then the off-diagonal blocks level by level,
 //      T_IJ = -T_II sum_M L_IM T_MJ.
