@@ -125,6 +125,164 @@ void kda_chunked(const double* q, const double* k, const double* v, const double
 }
 
 // ---------------------------------------------------------------------------------------------
+// Context parallelism: affine segment maps, their composition, and the split / scan / rerun driver
+
+namespace {
+
+// M <- identity [K, K], Bm <- 0 [V, K].
+void init_map(int64_t K, int64_t V, double* M, double* Bm) {
+  std::fill(M, M + K * K, 0.0);
+  for (int64_t r = 0; r < K; ++r) M[r * K + r] = 1.0;
+  std::fill(Bm, Bm + V * K, 0.0);
+}
+
+// X [R, K] <- X Mc  with Mc [K, K] (row-major); tmp holds K doubles.
+void right_multiply(double* X, int64_t R, int64_t K, const double* Mc, std::vector<double>& tmp) {
+  for (int64_t r = 0; r < R; ++r) {
+    double* x = X + r * K;
+    std::fill(tmp.begin(), tmp.end(), 0.0);
+    for (int64_t j = 0; j < K; ++j) {
+      const double xj = x[j];
+      for (int64_t c = 0; c < K; ++c) tmp[c] += xj * Mc[j * K + c];
+    }
+    std::copy(tmp.begin(), tmp.end(), x);
+  }
+}
+
+}  // namespace
+
+void kda_segment_map(const double* /*q*/, const double* k, const double* v, const double* a, const double* b,
+                     int64_t T, int64_t K, int64_t V, double* M, double* Bm) {
+  init_map(K, V, M, Bm);
+  std::vector<double> decay(K);
+  for (int64_t t = 0; t < T; ++t) {
+    const double* kt = k + t * K;
+    const double* vt = v + t * V;
+    for (int64_t c = 0; c < K; ++c) decay[c] = std::exp(a[t * K + c]);
+    // One row x of [M; Bm]: x <- x diag(e^a); x <- x + b (y - x.k) k^T, with y = 0 for rows of M
+    // (x diag(e^a) (I - b k k^T)) and y = v_t[r] for row r of Bm (the same plus b v_t[r] k^T).
+    auto step = [&](double* x, double y) {
+      double xk = 0.0;
+      for (int64_t c = 0; c < K; ++c) {
+        x[c] *= decay[c];
+        xk += x[c] * kt[c];
+      }
+      const double bu = b[t] * (y - xk);
+      for (int64_t c = 0; c < K; ++c) x[c] += bu * kt[c];
+    };
+    for (int64_t r = 0; r < K; ++r) step(M + r * K, 0.0);
+    for (int64_t r = 0; r < V; ++r) step(Bm + r * K, vt[r]);
+  }
+}
+
+void kda_chunk_map(const double* /*q*/, const double* k, const double* v, const double* a, const double* b,
+                   int64_t T, int64_t K, int64_t V, int64_t C, double* M, double* Bm) {
+  init_map(K, V, M, Bm);
+  C = std::max<int64_t>(1, std::min(C, T));
+  std::vector<double> G(C * K), L(C * C), W(C * K), U(C * V), Kend(C * K);
+  std::vector<double> Mc(K * K), Bc(V * K), tmp(K);
+  for (int64_t t0 = 0; t0 < T; t0 += C) {
+    const int64_t c = std::min<int64_t>(C, T - t0);
+    const double* kc = k + t0 * K;
+    const double* vc = v + t0 * V;
+    const double* ac = a + t0 * K;
+    const double* bc = b + t0;
+    for (int64_t kk = 0; kk < K; ++kk) {
+      double acc = 0.0;
+      for (int64_t i = 0; i < c; ++i) {
+        acc += ac[i * K + kk];
+        G[i * K + kk] = acc;
+      }
+    }
+    // L = strict_lower(diag(b) kt kb^T), with the pairwise decays exp(G_i - G_j) <= 1.
+    for (int64_t i = 0; i < c; ++i) {
+      for (int64_t j = 0; j < i; ++j) {
+        double lk = 0.0;
+        for (int64_t kk = 0; kk < K; ++kk)
+          lk += kc[i * K + kk] * kc[j * K + kk] * std::exp(G[i * K + kk] - G[j * K + kk]);
+        L[i * C + j] = bc[i] * lk;
+      }
+    }
+    // W = (I + L)^-1 diag(b) kt, U = (I + L)^-1 diag(b) V: forward substitution.
+    for (int64_t i = 0; i < c; ++i) {
+      for (int64_t kk = 0; kk < K; ++kk) {
+        double x = bc[i] * kc[i * K + kk] * std::exp(G[i * K + kk]);
+        for (int64_t j = 0; j < i; ++j) x -= L[i * C + j] * W[j * K + kk];
+        W[i * K + kk] = x;
+      }
+      for (int64_t r = 0; r < V; ++r) {
+        double x = bc[i] * vc[i * V + r];
+        for (int64_t j = 0; j < i; ++j) x -= L[i * C + j] * U[j * V + r];
+        U[i * V + r] = x;
+      }
+    }
+    // kd = k * exp(G_last - G); M_c = diag(exp(G_last)) - W^T kd; B_c = U^T kd.
+    const double* Gl = &G[(c - 1) * K];
+    for (int64_t i = 0; i < c; ++i)
+      for (int64_t kk = 0; kk < K; ++kk) Kend[i * K + kk] = kc[i * K + kk] * std::exp(Gl[kk] - G[i * K + kk]);
+    for (int64_t r = 0; r < K; ++r) {
+      for (int64_t cc = 0; cc < K; ++cc) {
+        double x = r == cc ? std::exp(Gl[cc]) : 0.0;
+        for (int64_t i = 0; i < c; ++i) x -= W[i * K + r] * Kend[i * K + cc];
+        Mc[r * K + cc] = x;
+      }
+    }
+    for (int64_t r = 0; r < V; ++r) {
+      for (int64_t cc = 0; cc < K; ++cc) {
+        double x = 0.0;
+        for (int64_t i = 0; i < c; ++i) x += U[i * V + r] * Kend[i * K + cc];
+        Bc[r * K + cc] = x;
+      }
+    }
+    // Compose: (M, Bm) then (Mc, Bc) = (M Mc, Bm Mc + Bc).
+    right_multiply(M, K, K, Mc.data(), tmp);
+    right_multiply(Bm, V, K, Mc.data(), tmp);
+    for (int64_t i = 0; i < V * K; ++i) Bm[i] += Bc[i];
+  }
+}
+
+void kda_context_parallel(const double* q, const double* k, const double* v, const double* a, const double* b,
+                          int64_t T, int64_t K, int64_t V, double scale, const int64_t* bounds,
+                          int64_t num_segments, double* S, double* o) {
+  (void)T;  // bounds[num_segments] == T
+  const int64_t P = num_segments;
+  // 1. Every segment's map, independently (in parallel on a GPU).
+  std::vector<double> Ms(P * K * K), Bs(P * V * K);
+  for (int64_t s = 0; s < P; ++s) {
+    const int64_t t0 = bounds[s], n = bounds[s + 1] - bounds[s];
+    kda_segment_map(q + t0 * K, k + t0 * K, v + t0 * V, a + t0 * K, b + t0, n, K, V, &Ms[s * K * K],
+                    &Bs[s * V * K]);
+  }
+  // 2. Sequential scan: start[s + 1] = start[s] M_s + B_s.
+  std::vector<double> start((P + 1) * V * K), tmp(K);
+  std::copy(S, S + V * K, start.begin());
+  for (int64_t s = 0; s < P; ++s) {
+    double* next = &start[(s + 1) * V * K];
+    std::copy(&start[s * V * K], &start[(s + 1) * V * K], next);
+    right_multiply(next, V, K, &Ms[s * K * K], tmp);
+    for (int64_t i = 0; i < V * K; ++i) next[i] += Bs[s * V * K + i];
+  }
+  // 3. Rerun every segment from its start state for the outputs (in parallel on a GPU).
+  std::vector<double> Ss(V * K);
+  for (int64_t s = 0; s < P; ++s) {
+    const int64_t t0 = bounds[s], n = bounds[s + 1] - bounds[s];
+    std::copy(&start[s * V * K], &start[(s + 1) * V * K], Ss.begin());
+    kda_recurrent(q + t0 * K, k + t0 * K, v + t0 * V, a + t0 * K, b + t0, n, K, V, scale, Ss.data(),
+                  o + t0 * V);
+  }
+  std::copy(&start[P * V * K], &start[(P + 1) * V * K], S);
+}
+
+void kda_context_parallel(const double* q, const double* k, const double* v, const double* a, const double* b,
+                          int64_t T, int64_t K, int64_t V, double scale, int64_t num_segments, double* S,
+                          double* o) {
+  const int64_t P = std::max<int64_t>(1, num_segments);
+  std::vector<int64_t> bounds(P + 1);
+  for (int64_t s = 0; s <= P; ++s) bounds[s] = s * T / P;
+  kda_context_parallel(q, k, v, a, b, T, K, V, scale, bounds.data(), P, S, o);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Preprocessing
 
 namespace {

@@ -30,6 +30,40 @@ void kda_recurrent(const double* q, const double* k, const double* v, const doub
 void kda_chunked(const double* q, const double* k, const double* v, const double* a, const double* b,
                  int64_t T, int64_t K, int64_t V, double scale, int64_t C, double* S, double* o);
 
+// Context parallelism (the blueprint of an intra-GPU sequence-splitting kernel; spec section 3,
+// perf_model.md "affine chunk map").  Per token the state update is affine in S:
+//   S' = S diag(e^a_t) (I - b_t k_t k_t^T) + b_t v_t k_t^T  =  S M_t + B_t,
+// so a segment of tokens maps S_in -> S_out = S_in M + B with M [K, K] and B [V, K] (both row-major),
+// and maps compose as (M1, B1) then (M2, B2) = (M1 M2, B1 M2 + B2).  The map does not depend on q
+// (q is accepted, unused, and may be null, so every core takes the same arguments).  T == 0 gives
+// (I, 0).
+//
+// kda_segment_map: token by token, i.e. the recurrence run on the augmented state [M; B] (K + V
+// rows) from [I; 0], with values 0 for the M rows and v_t for the B rows.
+void kda_segment_map(const double* q, const double* k, const double* v, const double* a, const double* b,
+                     int64_t T, int64_t K, int64_t V, double* M, double* Bm);
+
+// The same map as the product of per-chunk maps built from the chunked-form quantities of spec
+// section 3 with chunk size C >= 1: M_c = diag(gamma_c) - W^T kd, B_c = U^T kd, where
+// gamma_c = exp(G_last), kd_i = k_i * exp(G_last - G_i).  Equal to kda_segment_map up to rounding.
+void kda_chunk_map(const double* q, const double* k, const double* v, const double* a, const double* b,
+                   int64_t T, int64_t K, int64_t V, int64_t C, double* M, double* Bm);
+
+// kda_recurrent computed by context parallelism: tokens [bounds[s], bounds[s+1]) form segment s
+// (bounds: num_segments + 1 non-decreasing offsets from 0 to T; empty segments allowed).  Every
+// segment's map is computed independently (kda_segment_map), a sequential scan of the maps from the
+// initial S gives each segment's start state, and each segment is then rerun from its start state
+// (kda_recurrent) to write its outputs.  S (in/out) ends as the scan's last state.  Equal to
+// kda_recurrent on the whole sequence up to rounding.
+void kda_context_parallel(const double* q, const double* k, const double* v, const double* a, const double* b,
+                          int64_t T, int64_t K, int64_t V, double scale, const int64_t* bounds,
+                          int64_t num_segments, double* S, double* o);
+// The same with num_segments (>= 1; less is taken as 1) near-equal segments: bounds[s] = s * T /
+// num_segments (some are empty when T < num_segments).
+void kda_context_parallel(const double* q, const double* k, const double* v, const double* a, const double* b,
+                          int64_t T, int64_t K, int64_t V, double scale, int64_t num_segments, double* S,
+                          double* o);
+
 // Preprocessing of spec section 2, per token and head (double math).
 void l2_normalize(double* x, int64_t n);  // x <- x / sqrt(sum x^2 + 1e-6)
 double gate_log_decay(GateMode mode, double g, double A_log_h, double dt_bias_hk, double lower_bound);

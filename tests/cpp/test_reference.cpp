@@ -1,4 +1,5 @@
-// Tests of the CPU reference: the chunked algebra against the recurrence, the preprocessing, the bf16
+// Tests of the CPU reference: the chunked algebra against the recurrence, the context-parallel algebra
+// (affine segment maps, their composition, split / scan / rerun), the preprocessing, the bf16
 // helpers, and prefill_reference end to end (varlen, state aliasing, bf16 state, state pool,
 // has_initial_state, row strides, chunked path).
 #include <gtest/gtest.h>
@@ -145,6 +146,156 @@ TEST(ReferenceCore, ChunkedWithZeroDecayAndChunkLongerThanSequence) {
                          S2.data(), o2.data());
   EXPECT_LE(rel_err(o2, o1), 1e-12);
   EXPECT_LE(rel_err(S2, S1), 1e-12);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Core: context parallelism (affine segment maps, composition, split / scan / rerun)
+
+// S_out = S_in M + Bm for S_in [V, K], M [K, K], Bm [V, K].
+std::vector<double> apply_map(const std::vector<double>& S_in, const std::vector<double>& M,
+                              const std::vector<double>& Bm, int64_t K, int64_t V) {
+  std::vector<double> S = Bm;
+  for (int64_t r = 0; r < V; ++r)
+    for (int64_t j = 0; j < K; ++j)
+      for (int64_t c = 0; c < K; ++c) S[r * K + c] += S_in[r * K + j] * M[j * K + c];
+  return S;
+}
+
+struct SegmentMap {
+  std::vector<double> M, B;
+};
+
+SegmentMap segment_map(const CoreInputs& in, int64_t t0, int64_t t1, int64_t K, int64_t V) {
+  SegmentMap m{std::vector<double>(K * K, std::nan("")), std::vector<double>(V * K, std::nan(""))};
+  reference::kda_segment_map(nullptr, &in.k[t0 * K], &in.v[t0 * V], &in.a[t0 * K], &in.b[t0], t1 - t0, K, V,
+                             m.M.data(), m.B.data());
+  return m;
+}
+
+TEST(ReferenceContextParallel, OneTokenMapByHand) {
+  // M = diag(e^a) (I - b k k^T), B = b v k^T.
+  const double k[2] = {0.6, -0.8}, v[3] = {1.0, -2.0, 0.5}, a[2] = {-0.5, -2.0}, b[1] = {0.7};
+  double M[4], Bm[6];
+  reference::kda_segment_map(nullptr, k, v, a, b, 1, 2, 3, M, Bm);
+  for (int r = 0; r < 2; ++r)
+    for (int c = 0; c < 2; ++c)
+      EXPECT_NEAR(M[r * 2 + c], std::exp(a[r]) * ((r == c ? 1.0 : 0.0) - b[0] * k[r] * k[c]), 1e-15);
+  for (int r = 0; r < 3; ++r)
+    for (int c = 0; c < 2; ++c) EXPECT_NEAR(Bm[r * 2 + c], b[0] * v[r] * k[c], 1e-15);
+  reference::kda_segment_map(nullptr, k, v, a, b, 0, 2, 3, M, Bm);  // empty: (I, 0)
+  EXPECT_EQ(M[0], 1.0);
+  EXPECT_EQ(M[1], 0.0);
+  EXPECT_EQ(M[2], 0.0);
+  EXPECT_EQ(M[3], 1.0);
+  for (double x : Bm) EXPECT_EQ(x, 0.0);
+}
+
+TEST(ReferenceContextParallel, SegmentMapAppliedEqualsRecurrence) {
+  uint32_t seed = 1600;
+  for (int64_t D : {8, 32})
+    for (double min_a : {-1.0, -20.0})
+      for (int64_t T : {0, 1, 17, 200}) {
+        std::mt19937 rng(seed++);
+        const int64_t K = D, V = D + (D == 8 ? 3 : 0);  // K != V once
+        CoreInputs in = random_core(T, K, V, rng, min_a);
+        const SegmentMap m = segment_map(in, 0, T, K, V);
+        std::vector<double> S = in.S0, o(T * V);
+        reference::kda_recurrent(in.q.data(), in.k.data(), in.v.data(), in.a.data(), in.b.data(), T, K, V,
+                                 0.5, S.data(), o.data());
+        EXPECT_LE(rel_err(apply_map(in.S0, m.M, m.B, K, V), S), 1e-12) << "T=" << T << " D=" << D;
+        // B alone is the state reached from S_in = 0.
+        std::vector<double> Z(V * K, 0.0);
+        reference::kda_recurrent(in.q.data(), in.k.data(), in.v.data(), in.a.data(), in.b.data(), T, K, V,
+                                 0.5, Z.data(), o.data());
+        EXPECT_LE(rel_err(m.B, Z), 1e-12) << "T=" << T << " D=" << D;
+      }
+}
+
+TEST(ReferenceContextParallel, ComposedMapsEqualMapOfUnion) {
+  uint32_t seed = 1700;
+  const int64_t T = 200;
+  for (int64_t D : {8, 32})
+    for (double min_a : {-1.0, -20.0})
+      for (int64_t t1 : {0, 1, 17, 100, 199, 200}) {
+        std::mt19937 rng(seed++);
+        CoreInputs in = random_core(T, D, D, rng, min_a);
+        const SegmentMap m1 = segment_map(in, 0, t1, D, D), m2 = segment_map(in, t1, T, D, D);
+        const SegmentMap m = segment_map(in, 0, T, D, D);
+        // (M1, B1) then (M2, B2) = (M1 M2, B1 M2 + B2); M1 M2 is M2 applied to the "state" M1.
+        const std::vector<double> zeroK(D * D, 0.0);
+        EXPECT_LE(rel_err(apply_map(m1.M, m2.M, zeroK, D, D), m.M), 1e-12) << "t1=" << t1;
+        EXPECT_LE(rel_err(apply_map(m1.B, m2.M, m2.B, D, D), m.B), 1e-12) << "t1=" << t1;
+      }
+}
+
+TEST(ReferenceContextParallel, ChunkMapEqualsSegmentMap) {
+  uint32_t seed = 1800;
+  for (int64_t D : {8, 32})
+    for (double min_a : {-1.0, -20.0})
+      for (int64_t C : {1, 3, 16, 64})
+        for (int64_t T : {0, 1, 17, 65, 200}) {
+          std::mt19937 rng(seed++);
+          const int64_t K = D, V = D == 8 ? 5 : D;
+          CoreInputs in = random_core(T, K, V, rng, min_a);
+          const SegmentMap m = segment_map(in, 0, T, K, V);
+          std::vector<double> M(K * K, std::nan("")), Bm(V * K, std::nan(""));
+          reference::kda_chunk_map(in.q.data(), in.k.data(), in.v.data(), in.a.data(), in.b.data(), T, K, V,
+                                   C, M.data(), Bm.data());
+          EXPECT_LE(rel_err(M, m.M), 1e-10) << "T=" << T << " D=" << D << " C=" << C;
+          EXPECT_LE(rel_err(Bm, m.B), 1e-10) << "T=" << T << " D=" << D << " C=" << C;
+        }
+}
+
+void expect_context_parallel_matches(const CoreInputs& in, int64_t T, int64_t K, int64_t V,
+                                     const std::vector<int64_t>* bounds, int64_t P, const char* what) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(K));
+  std::vector<double> S_rec = in.S0, S_cp = in.S0, o_rec(T * V), o_cp(T * V, std::nan(""));
+  reference::kda_recurrent(in.q.data(), in.k.data(), in.v.data(), in.a.data(), in.b.data(), T, K, V, scale,
+                           S_rec.data(), o_rec.data());
+  if (bounds) {
+    reference::kda_context_parallel(in.q.data(), in.k.data(), in.v.data(), in.a.data(), in.b.data(), T, K, V,
+                                    scale, bounds->data(), P, S_cp.data(), o_cp.data());
+  } else {
+    reference::kda_context_parallel(in.q.data(), in.k.data(), in.v.data(), in.a.data(), in.b.data(), T, K, V,
+                                    scale, P, S_cp.data(), o_cp.data());
+  }
+  for (double x : o_cp) ASSERT_TRUE(std::isfinite(x)) << what;
+  EXPECT_LE(rel_err(o_cp, o_rec), 1e-10) << what << " T=" << T << " K=" << K << " P=" << P;
+  EXPECT_LE(rel_err(S_cp, S_rec), 1e-10) << what << " T=" << T << " K=" << K << " P=" << P;
+}
+
+TEST(ReferenceContextParallel, EqualSegmentsMatchRecurrent) {
+  uint32_t seed = 1900;
+  for (int64_t D : {8, 32})
+    for (double min_a : {-1.0, -20.0})
+      for (int64_t T : {0, 1, 17, 200})
+        for (int64_t P : {1, 2, 3, 7}) {
+          std::mt19937 rng(seed++);
+          CoreInputs in = random_core(T, D, D, rng, min_a);
+          expect_context_parallel_matches(in, T, D, D, nullptr, P, "equal");
+        }
+}
+
+TEST(ReferenceContextParallel, UnevenAndEmptySegmentsMatchRecurrent) {
+  uint32_t seed = 2000;
+  const std::vector<std::vector<int64_t>> splits = {{0, 200},
+                                                    {0, 0, 200},
+                                                    {0, 200, 200},
+                                                    {0, 1, 199, 200},
+                                                    {0, 0, 0, 57, 57, 58, 200, 200},
+                                                    {0, 13, 26, 100, 101, 150, 199, 200}};
+  for (int64_t D : {8, 32})
+    for (double min_a : {-1.0, -20.0})
+      for (const auto& bounds : splits) {
+        std::mt19937 rng(seed++);
+        CoreInputs in = random_core(200, D, D, rng, min_a);
+        expect_context_parallel_matches(in, 200, D, D, &bounds, static_cast<int64_t>(bounds.size()) - 1,
+                                        "uneven");
+      }
+  std::mt19937 rng(seed++);
+  CoreInputs in = random_core(40, 16, 24, rng, -3.0);  // K != V
+  const std::vector<int64_t> bounds = {0, 5, 5, 31, 40};
+  expect_context_parallel_matches(in, 40, 16, 24, &bounds, 4, "K!=V");
 }
 
 // ------------------------------------------------------------------------------------------------
