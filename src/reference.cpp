@@ -45,53 +45,70 @@ void kda_recurrent(const double* q, const double* k, const double* v, const doub
   }
 }
 
+namespace {
+
+// The state-independent quantities of one chunk of c <= C tokens (spec section 3), shared by the
+// chunked form and the chunk maps: G (cumulative log decay), L = strict_lower(diag(b) kt kb^T) and,
+// when q is given, Mqk = lower_incl(scale qt kb^T), both with pairwise decays exp(G_i - G_j) <= 1;
+// W = (I + L)^-1 diag(b) kt and U = (I + L)^-1 diag(b) V by forward substitution; and
+// Kend = k exp(G_last - G).
+struct ChunkLocal {
+  std::vector<double> G, L, Mqk, W, U, Kend;
+  ChunkLocal(int64_t C, int64_t K, int64_t V)
+      : G(C * K), L(C * C), Mqk(C * C), W(C * K), U(C * V), Kend(C * K) {}
+};
+
+void chunk_local(const double* qc, const double* kc, const double* vc, const double* ac, const double* bc,
+                 int64_t c, int64_t C, int64_t K, int64_t V, double scale, ChunkLocal* x) {
+  std::vector<double>&G = x->G, &L = x->L, &Mqk = x->Mqk, &W = x->W, &U = x->U, &Kend = x->Kend;
+  for (int64_t kk = 0; kk < K; ++kk) {
+    double acc = 0.0;
+    for (int64_t i = 0; i < c; ++i) {
+      acc += ac[i * K + kk];
+      G[i * K + kk] = acc;
+    }
+  }
+  for (int64_t i = 0; i < c; ++i) {
+    for (int64_t j = 0; j <= i; ++j) {
+      double lk = 0.0, qk = 0.0;
+      for (int64_t kk = 0; kk < K; ++kk) {
+        const double e = std::exp(G[i * K + kk] - G[j * K + kk]);
+        lk += kc[i * K + kk] * kc[j * K + kk] * e;
+        if (qc != nullptr) qk += qc[i * K + kk] * kc[j * K + kk] * e;
+      }
+      L[i * C + j] = j < i ? bc[i] * lk : 0.0;
+      Mqk[i * C + j] = scale * qk;
+    }
+  }
+  for (int64_t i = 0; i < c; ++i) {
+    for (int64_t kk = 0; kk < K; ++kk) {
+      double y = bc[i] * kc[i * K + kk] * std::exp(G[i * K + kk]);
+      for (int64_t j = 0; j < i; ++j) y -= L[i * C + j] * W[j * K + kk];
+      W[i * K + kk] = y;
+    }
+    for (int64_t r = 0; r < V; ++r) {
+      double y = bc[i] * vc[i * V + r];
+      for (int64_t j = 0; j < i; ++j) y -= L[i * C + j] * U[j * V + r];
+      U[i * V + r] = y;
+    }
+  }
+  const double* Gl = &G[(c - 1) * K];
+  for (int64_t i = 0; i < c; ++i)
+    for (int64_t kk = 0; kk < K; ++kk) Kend[i * K + kk] = kc[i * K + kk] * std::exp(Gl[kk] - G[i * K + kk]);
+}
+
+}  // namespace
+
 void kda_chunked(const double* q, const double* k, const double* v, const double* a, const double* b,
                  int64_t T, int64_t K, int64_t V, double scale, int64_t C, double* S, double* o) {
   C = std::max<int64_t>(1, std::min(C, T));  // a chunk never needs more rows than the sequence
-  std::vector<double> G(C * K);              // cumulative log decay inside the chunk
-  std::vector<double> L(C * C);              // strict lower: b_i * sum_k k_ik k_jk exp(G_ik - G_jk)
-  std::vector<double> Mqk(C * C);            // lower incl. diag: scale * sum_k q_ik k_jk exp(G_ik - G_jk)
-  std::vector<double> W(C * K), U(C * V), Vn(C * V), Kend(C * K);
+  ChunkLocal cl(C, K, V);
+  const std::vector<double>&G = cl.G, &Mqk = cl.Mqk, &W = cl.W, &U = cl.U, &Kend = cl.Kend;
+  std::vector<double> Vn(C * V);
   for (int64_t t0 = 0; t0 < T; t0 += C) {
     const int64_t c = std::min<int64_t>(C, T - t0);
     const double* qc = q + t0 * K;
-    const double* kc = k + t0 * K;
-    const double* vc = v + t0 * V;
-    const double* ac = a + t0 * K;
-    const double* bc = b + t0;
-    for (int64_t kk = 0; kk < K; ++kk) {
-      double acc = 0.0;
-      for (int64_t i = 0; i < c; ++i) {
-        acc += ac[i * K + kk];
-        G[i * K + kk] = acc;
-      }
-    }
-    // L and Mqk with pairwise decays.
-    for (int64_t i = 0; i < c; ++i) {
-      for (int64_t j = 0; j <= i; ++j) {
-        double lk = 0.0, qk = 0.0;
-        for (int64_t kk = 0; kk < K; ++kk) {
-          const double e = std::exp(G[i * K + kk] - G[j * K + kk]);
-          lk += kc[i * K + kk] * kc[j * K + kk] * e;
-          qk += qc[i * K + kk] * kc[j * K + kk] * e;
-        }
-        L[i * C + j] = j < i ? bc[i] * lk : 0.0;
-        Mqk[i * C + j] = scale * qk;
-      }
-    }
-    // W = T_inv diag(b) kt, U = T_inv diag(b) V with T_inv = (I + L)^-1: forward substitution.
-    for (int64_t i = 0; i < c; ++i) {
-      for (int64_t kk = 0; kk < K; ++kk) {
-        double x = bc[i] * kc[i * K + kk] * std::exp(G[i * K + kk]);
-        for (int64_t j = 0; j < i; ++j) x -= L[i * C + j] * W[j * K + kk];
-        W[i * K + kk] = x;
-      }
-      for (int64_t r = 0; r < V; ++r) {
-        double x = bc[i] * vc[i * V + r];
-        for (int64_t j = 0; j < i; ++j) x -= L[i * C + j] * U[j * V + r];
-        U[i * V + r] = x;
-      }
-    }
+    chunk_local(qc, k + t0 * K, v + t0 * V, a + t0 * K, b + t0, c, C, K, V, scale, &cl);
     // Vn = U - W S0^T
     for (int64_t i = 0; i < c; ++i) {
       for (int64_t r = 0; r < V; ++r) {
@@ -112,8 +129,6 @@ void kda_chunked(const double* q, const double* k, const double* v, const double
     }
     // S1 = S0 * exp(G_last) + Vn^T (k * exp(G_last - G))
     const double* Gl = &G[(c - 1) * K];
-    for (int64_t i = 0; i < c; ++i)
-      for (int64_t kk = 0; kk < K; ++kk) Kend[i * K + kk] = kc[i * K + kk] * std::exp(Gl[kk] - G[i * K + kk]);
     for (int64_t r = 0; r < V; ++r) {
       for (int64_t kk = 0; kk < K; ++kk) {
         double x = S[r * K + kk] * std::exp(Gl[kk]);
@@ -179,47 +194,14 @@ void kda_chunk_map(const double* /*q*/, const double* k, const double* v, const 
                    int64_t T, int64_t K, int64_t V, int64_t C, double* M, double* Bm) {
   init_map(K, V, M, Bm);
   C = std::max<int64_t>(1, std::min(C, T));
-  std::vector<double> G(C * K), L(C * C), W(C * K), U(C * V), Kend(C * K);
+  ChunkLocal cl(C, K, V);
+  const std::vector<double>&G = cl.G, &W = cl.W, &U = cl.U, &Kend = cl.Kend;
   std::vector<double> Mc(K * K), Bc(V * K), tmp(K);
   for (int64_t t0 = 0; t0 < T; t0 += C) {
     const int64_t c = std::min<int64_t>(C, T - t0);
-    const double* kc = k + t0 * K;
-    const double* vc = v + t0 * V;
-    const double* ac = a + t0 * K;
-    const double* bc = b + t0;
-    for (int64_t kk = 0; kk < K; ++kk) {
-      double acc = 0.0;
-      for (int64_t i = 0; i < c; ++i) {
-        acc += ac[i * K + kk];
-        G[i * K + kk] = acc;
-      }
-    }
-    // L = strict_lower(diag(b) kt kb^T), with the pairwise decays exp(G_i - G_j) <= 1.
-    for (int64_t i = 0; i < c; ++i) {
-      for (int64_t j = 0; j < i; ++j) {
-        double lk = 0.0;
-        for (int64_t kk = 0; kk < K; ++kk)
-          lk += kc[i * K + kk] * kc[j * K + kk] * std::exp(G[i * K + kk] - G[j * K + kk]);
-        L[i * C + j] = bc[i] * lk;
-      }
-    }
-    // W = (I + L)^-1 diag(b) kt, U = (I + L)^-1 diag(b) V: forward substitution.
-    for (int64_t i = 0; i < c; ++i) {
-      for (int64_t kk = 0; kk < K; ++kk) {
-        double x = bc[i] * kc[i * K + kk] * std::exp(G[i * K + kk]);
-        for (int64_t j = 0; j < i; ++j) x -= L[i * C + j] * W[j * K + kk];
-        W[i * K + kk] = x;
-      }
-      for (int64_t r = 0; r < V; ++r) {
-        double x = bc[i] * vc[i * V + r];
-        for (int64_t j = 0; j < i; ++j) x -= L[i * C + j] * U[j * V + r];
-        U[i * V + r] = x;
-      }
-    }
-    // kd = k * exp(G_last - G); M_c = diag(exp(G_last)) - W^T kd; B_c = U^T kd.
+    chunk_local(nullptr, k + t0 * K, v + t0 * V, a + t0 * K, b + t0, c, C, K, V, 0.0, &cl);
+    // M_c = diag(exp(G_last)) - W^T kd; B_c = U^T kd (kd = Kend).
     const double* Gl = &G[(c - 1) * K];
-    for (int64_t i = 0; i < c; ++i)
-      for (int64_t kk = 0; kk < K; ++kk) Kend[i * K + kk] = kc[i * K + kk] * std::exp(Gl[kk] - G[i * K + kk]);
     for (int64_t r = 0; r < K; ++r) {
       for (int64_t cc = 0; cc < K; ++cc) {
         double x = r == cc ? std::exp(Gl[cc]) : 0.0;
