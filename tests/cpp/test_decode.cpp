@@ -14,6 +14,7 @@
 #include "flashkda/decode.h"
 #include "flashkda/flashkda.h"
 #include "flashkda/reference.h"
+#include "kda_test_util.h"
 
 namespace flashkda {
 namespace {
@@ -21,88 +22,22 @@ namespace {
 using reference::bf16_to_float;
 using reference::float_to_bf16;
 
-constexpr uint16_t kPoisonBf16 = 0x7fc1;  // a NaN: an element left unwritten shows up
 constexpr uint16_t kOutSentinel = 0x1234;
 constexpr float kPoolSentinel = -12345.0f;
 
-std::vector<uint16_t> random_bf16(size_t n, std::mt19937& rng, float sd = 1.0f) {
-  std::normal_distribution<float> nd(0.0f, sd);
-  std::vector<uint16_t> r(n);
-  for (auto& x : r) x = float_to_bf16(nd(rng));
-  return r;
-}
+using test_util::kPoisonBf16;
+using test_util::random_bf16;
+using test_util::rel_err;
 
-double rel_err(const std::vector<double>& x, const std::vector<double>& ref) {
-  double num = 0.0, den = 0.0;
-  for (size_t i = 0; i < x.size(); ++i) {
-    num += (x[i] - ref[i]) * (x[i] - ref[i]);
-    den += ref[i] * ref[i];
+// Token inputs of a decode / prefill problem (H = 2 heads unless a factory says otherwise).
+struct Tokens : test_util::TokenProblem<Tokens> {
+  Tokens() {
+    H = 2;
+    N = 0;
   }
-  return den == 0.0 ? std::sqrt(num) : std::sqrt(num / den);
-}
-
-// Token inputs of a decode / prefill problem: fixed [B, T] or varlen (B = 1, cu_seqlens), H heads,
-// K = V = D, random bf16 q, k, v, g, beta, fp32 gate parameters.
-struct Tokens {
-  int64_t B = 1, T = 0, H = 2, D = 64, N = 0;
-  bool varlen = false;
-  std::vector<int32_t> cu;
-  std::vector<uint16_t> q, k, v, g, beta, out;
-  std::vector<float> A_log, dt_bias;
-
-  static Tokens fixed(int64_t B, int64_t T, int64_t H, int64_t D, uint32_t seed) {
-    Tokens t;
-    t.B = B;
-    t.T = T;
-    t.H = H;
-    t.D = D;
-    t.N = B;
-    t.fill(seed);
-    return t;
-  }
-  static Tokens varlen_of(const std::vector<int32_t>& lens, int64_t H, int64_t D, uint32_t seed) {
-    Tokens t;
-    t.varlen = true;
-    t.cu.push_back(0);
-    for (int32_t l : lens) t.cu.push_back(t.cu.back() + l);
-    t.T = t.cu.back();
-    t.H = H;
-    t.D = D;
-    t.N = static_cast<int64_t>(lens.size());
-    t.fill(seed);
-    return t;
-  }
-  int64_t bos(int64_t n) const { return varlen ? cu[n] : 0; }
-  int64_t len(int64_t n) const { return varlen ? cu[n + 1] - cu[n] : T; }
-  int64_t row(int64_t n) const { return varlen ? 0 : n; }
-
   void fill(uint32_t seed) {
     std::mt19937 rng(seed);
-    const size_t n = static_cast<size_t>(B * T * H * D);
-    q = random_bf16(n, rng);
-    k = random_bf16(n, rng);
-    v = random_bf16(n, rng);
-    g = random_bf16(n, rng);
-    beta = random_bf16(static_cast<size_t>(B * T * H), rng);
-    std::uniform_real_distribution<float> ud(0.0f, 1.0f);
-    A_log.resize(H);
-    for (auto& x : A_log) x = ud(rng);
-    dt_bias.resize(H * D);
-    for (auto& x : dt_bias) x = ud(rng);
-    out.assign(n, kPoisonBf16);
-  }
-
-  template <class Params>
-  void set_tokens(Params* p) {
-    p->q = make_tensor_ref(q.data(), DType::kBFloat16, {B, T, H, D});
-    p->k = make_tensor_ref(k.data(), DType::kBFloat16, {B, T, H, D});
-    p->v = make_tensor_ref(v.data(), DType::kBFloat16, {B, T, H, D});
-    p->g = make_tensor_ref(g.data(), DType::kBFloat16, {B, T, H, D});
-    p->beta = make_tensor_ref(beta.data(), DType::kBFloat16, {B, T, H});
-    p->A_log = make_tensor_ref(A_log.data(), DType::kFloat32, {H});
-    p->dt_bias = make_tensor_ref(dt_bias.data(), DType::kFloat32, {H, D});
-    p->out = make_tensor_ref(out.data(), DType::kBFloat16, {B, T, H, D});
-    if (varlen) p->cu_seqlens = make_tensor_ref(cu.data(), DType::kInt32, {N + 1});
+    fill_tokens(rng);
   }
 };
 

@@ -15,6 +15,7 @@
 
 #include "flashkda/flashkda.h"
 #include "flashkda/reference.h"
+#include "kda_test_util.h"
 
 namespace flashkda {
 namespace {
@@ -22,37 +23,11 @@ namespace {
 using reference::bf16_to_float;
 using reference::float_to_bf16;
 
-constexpr uint16_t kPoisonBf16 = 0x7fc1;  // a NaN: any element left unwritten shows up
-
-double rel_err(const std::vector<double>& x, const std::vector<double>& ref) {
-  double num = 0.0, den = 0.0;
-  for (size_t i = 0; i < x.size(); ++i) {
-    num += (x[i] - ref[i]) * (x[i] - ref[i]);
-    den += ref[i] * ref[i];
-  }
-  if (den == 0.0) return std::sqrt(num);
-  return std::sqrt(num / den);
-}
-
-std::vector<double> bf16_to_doubles(const std::vector<uint16_t>& x) {
-  std::vector<double> r(x.size());
-  for (size_t i = 0; i < x.size(); ++i) r[i] = bf16_to_float(x[i]);
-  return r;
-}
-
-std::vector<uint16_t> random_bf16(size_t n, std::mt19937& rng, double sd = 1.0) {
-  std::normal_distribution<float> nd(0.0f, static_cast<float>(sd));
-  std::vector<uint16_t> r(n);
-  for (auto& x : r) x = float_to_bf16(nd(rng));
-  return r;
-}
-
-std::vector<float> random_uniform(size_t n, std::mt19937& rng, float lo, float hi) {
-  std::uniform_real_distribution<float> ud(lo, hi);
-  std::vector<float> r(n);
-  for (auto& x : r) x = ud(rng);
-  return r;
-}
+using test_util::bf16_to_doubles;
+using test_util::kPoisonBf16;
+using test_util::random_bf16;
+using test_util::random_uniform;
+using test_util::rel_err;
 
 // ------------------------------------------------------------------------------------------------
 // Core: chunked == recurrent
@@ -388,51 +363,16 @@ TEST(ReferenceBf16, Conversions) {
 // ------------------------------------------------------------------------------------------------
 // prefill_reference
 
-// A self-contained problem: contiguous buffers, fixed-length [B, T] or varlen (B = 1).
-struct Problem {
-  int64_t B = 1, T = 0, H = 1, D = 64, N = 1;
-  bool varlen = false;
-  std::vector<int32_t> cu;
-  std::vector<uint16_t> q, k, v, g, beta, out;
-  std::vector<float> A_log, dt_bias, h0, ht;
+// A self-contained problem: contiguous buffers, fixed-length [B, T] or varlen (B = 1), with fp32
+// initial state h0 ~ 0.1 N(0, 1) and a poisoned final state ht.
+struct Problem : test_util::TokenProblem<Problem> {
+  std::vector<float> h0, ht;
 
-  static Problem fixed(int64_t B, int64_t T, int64_t H, int64_t D, uint32_t seed) {
-    Problem p;
-    p.B = B;
-    p.T = T;
-    p.H = H;
-    p.D = D;
-    p.N = B;
-    p.fill(seed);
-    return p;
-  }
-  static Problem varlen_of(const std::vector<int32_t>& lengths, int64_t H, int64_t D, uint32_t seed) {
-    Problem p;
-    p.varlen = true;
-    p.cu.push_back(0);
-    for (int32_t l : lengths) p.cu.push_back(p.cu.back() + l);
-    p.B = 1;
-    p.T = p.cu.back();
-    p.H = H;
-    p.D = D;
-    p.N = static_cast<int64_t>(lengths.size());
-    p.fill(seed);
-    return p;
-  }
-  int64_t bos(int64_t n) const { return varlen ? cu[n] : 0; }
-  int64_t len(int64_t n) const { return varlen ? cu[n + 1] - cu[n] : T; }
   size_t state_numel() const { return static_cast<size_t>(N * H * D * D); }
 
   void fill(uint32_t seed) {
     std::mt19937 rng(seed);
-    const size_t n = static_cast<size_t>(B * T * H * D);
-    q = random_bf16(n, rng);
-    k = random_bf16(n, rng);
-    v = random_bf16(n, rng);
-    g = random_bf16(n, rng);
-    beta = random_bf16(static_cast<size_t>(B * T * H), rng);
-    A_log = random_uniform(static_cast<size_t>(H), rng, 0.0f, 1.0f);
-    dt_bias = random_uniform(static_cast<size_t>(H * D), rng, 0.0f, 1.0f);
+    fill_tokens(rng);
     std::normal_distribution<float> nd(0.0f, 0.1f);
     h0.resize(state_numel());
     for (auto& x : h0) x = nd(rng);
@@ -445,17 +385,9 @@ struct Problem {
 
   PrefillParams params(bool with_h0 = true, bool with_ht = true) {
     PrefillParams p;
-    p.q = make_tensor_ref(q.data(), DType::kBFloat16, {B, T, H, D});
-    p.k = make_tensor_ref(k.data(), DType::kBFloat16, {B, T, H, D});
-    p.v = make_tensor_ref(v.data(), DType::kBFloat16, {B, T, H, D});
-    p.g = make_tensor_ref(g.data(), DType::kBFloat16, {B, T, H, D});
-    p.beta = make_tensor_ref(beta.data(), DType::kBFloat16, {B, T, H});
-    p.A_log = make_tensor_ref(A_log.data(), DType::kFloat32, {H});
-    p.dt_bias = make_tensor_ref(dt_bias.data(), DType::kFloat32, {H, D});
-    p.out = make_tensor_ref(out.data(), DType::kBFloat16, {B, T, H, D});
+    set_tokens(&p);
     if (with_h0) p.initial_state = make_tensor_ref(h0.data(), DType::kFloat32, {N, H, D, D});
     if (with_ht) p.final_state = make_tensor_ref(ht.data(), DType::kFloat32, {N, H, D, D});
-    if (varlen) p.cu_seqlens = make_tensor_ref(cu.data(), DType::kInt32, {N + 1});
     return p;
   }
 };
