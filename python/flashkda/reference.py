@@ -97,6 +97,26 @@ def recurrent(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, scale: floa
     return o, S
 
 
+def _preprocess(q, k, v, g, beta, scale, gate_mode, A_log, dt_bias, lower_bound, use_qk_l2norm,
+                use_beta_sigmoid, device):
+    """Spec section 2's per-token preprocessing in float64, tokens flattened to ``B * T``: returns
+    ``(scale, q, k, v, a, b)`` with q, k, a ``[B*T, H, K]``, v ``[B*T, H, V]``, b ``[B*T, H]``."""
+    B, T, H, K = q.shape
+    Vd = v.shape[-1]
+    if scale is None or scale <= 0:
+        scale = K ** -0.5
+
+    def flat(x, d):
+        return x.to(device=device, dtype=torch.float64).reshape(B * T, H, d)
+
+    qf, kf, vf = flat(q, K), flat(k, K), flat(v, Vd)
+    if use_qk_l2norm:
+        qf, kf = l2norm(qf), l2norm(kf)
+    af = gate_log_decay(g.to(device).reshape(B * T, H, K), gate_mode, A_log, dt_bias, lower_bound)
+    bf = beta_activation(beta.to(device).reshape(B * T, H), use_beta_sigmoid)
+    return scale, qf, kf, vf, af, bf
+
+
 def _seq_bounds(B: int, T: int, cu_seqlens: Optional[Tensor]):
     if cu_seqlens is None:
         return [(b * T, T) for b in range(B)]
@@ -138,17 +158,8 @@ def prefill(
     device = torch.device(device) if device is not None else q.device
     B, T, H, K = q.shape
     Vd = v.shape[-1]
-    if scale is None or scale <= 0:
-        scale = K ** -0.5
-
-    def flat(x, d):
-        return x.to(device=device, dtype=torch.float64).reshape(B * T, H, d)
-
-    qf, kf, vf = flat(q, K), flat(k, K), flat(v, Vd)
-    if use_qk_l2norm:
-        qf, kf = l2norm(qf), l2norm(kf)
-    af = gate_log_decay(g.to(device).reshape(B * T, H, K), gate_mode, A_log, dt_bias, lower_bound)
-    bf = beta_activation(beta.to(device).reshape(B * T, H), use_beta_sigmoid)
+    scale, qf, kf, vf, af, bf = _preprocess(q, k, v, g, beta, scale, gate_mode, A_log, dt_bias, lower_bound,
+                                            use_qk_l2norm, use_beta_sigmoid, device)
 
     seqs = _seq_bounds(B, T, cu_seqlens)
     N = len(seqs)
@@ -221,17 +232,8 @@ def decode(
     device = torch.device(device) if device is not None else q.device
     B, T, H, K = q.shape
     Vd = v.shape[-1]
-    if scale is None or scale <= 0:
-        scale = K ** -0.5
-
-    def flat(x, d):
-        return x.to(device=device, dtype=torch.float64).reshape(B * T, H, d)
-
-    qf, kf, vf = flat(q, K), flat(k, K), flat(v, Vd)
-    if use_qk_l2norm:
-        qf, kf = l2norm(qf), l2norm(kf)
-    af = gate_log_decay(g.to(device).reshape(B * T, H, K), gate_mode, A_log, dt_bias, lower_bound)
-    bf = beta_activation(beta.to(device).reshape(B * T, H), use_beta_sigmoid)
+    scale, qf, kf, vf, af, bf = _preprocess(q, k, v, g, beta, scale, gate_mode, A_log, dt_bias, lower_bound,
+                                            use_qk_l2norm, use_beta_sigmoid, device)
 
     seqs = _seq_bounds(B, T, cu_seqlens)
     N = len(seqs)
