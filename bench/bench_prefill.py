@@ -105,6 +105,42 @@ class Ours:
                                x["dt_bias"], LOWER_BOUND, x["h0"], self.ht, x["cu32"])
 
 
+class OursVariant:
+    """The general prefill op with one serving feature switched on (issue 4's bf16-state rule, issue 6's
+    pool addressing and checkpoints), to compare with the plain fp32-state call on the same inputs."""
+
+    def __init__(self, x, H, variant):
+        T = x["q"].shape[1]
+        N = x["cu32"].numel() - 1
+        self.x, self.variant = x, variant
+        self.out = torch.empty_like(x["v"])
+        self.ws = torch.empty(flashkda.get_workspace_size(T, H, N), dtype=torch.uint8, device="cuda")
+        self.kw = dict(initial_state=x["h0"], final_state=torch.empty(N, H, D, D, device="cuda"))
+        if variant == "bf16_state":
+            h0 = x["h0"].bfloat16()
+            self.kw = dict(initial_state=h0, final_state=torch.empty_like(h0))
+        elif variant == "pool":  # a pool of 4N rows, rows picked by a permutation, updated in place
+            gen = torch.Generator(device="cuda").manual_seed(1)
+            pool = 0.1 * torch.randn(4 * N, H, D, D, device="cuda", generator=gen)
+            idx = torch.randperm(4 * N, device="cuda", generator=gen)[:N].to(torch.int32)
+            self.kw = dict(initial_state=pool, final_state=pool, state_indices=idx)
+        elif variant == "checkpoints":  # 2 per sequence: mid-chunk and at the end
+            lens = (x["cu64"][1:] - x["cu64"][:-1])
+            offs = torch.stack([lens // 3, lens], dim=1).to(torch.int32).contiguous()
+            self.kw["checkpoint_offsets"] = offs
+            self.kw["checkpoint_state"] = torch.empty(N, 2, H, D, D, device="cuda")
+
+    def __call__(self):
+        x = self.x
+        torch.ops.flashkda.prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], self.out, self.ws, scale=D ** -0.5,
+                                   gate_mode="bounded", A_log=x["A_log"], dt_bias=x["dt_bias"],
+                                   lower_bound=LOWER_BOUND, cu_seqlens=x["cu32"], **self.kw)
+
+
+VARIANT_CASES = (0, 3)  # 8x2048 H16, 1x8192 H64
+VARIANTS = ("bf16_state", "pool", "checkpoints")
+
+
 def time_graph(fn, iters):
     times = cuda_graph_times_us(fn, iters)
     return statistics.median(times), min(times)
@@ -179,6 +215,7 @@ def main():
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--cases", default=None, help="comma-separated indices into CASES")
+    ap.add_argument("--no-variants", action="store_true", help="skip the bf16-state / pool / checkpoint rows")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to benchmark")
@@ -231,7 +268,21 @@ def main():
         print("    ours per kernel: " + ", ".join(f"{k} {v:.1f}" for k, v in row["ours_kernels_us"].items()))
         del ours, x
         torch.cuda.empty_cache()
-    result = {"meta": meta, "numerics": num, "prefill": rows}
+    variants = []
+    if not args.no_variants:
+        for i in VARIANT_CASES:
+            name, lens, H = CASES[i]
+            x = make_inputs(lens, H)
+            base, _ = time_graph(Ours(x, H), args.iters)
+            row = {"case": name, "fp32_state_us": base}
+            for v in VARIANTS:
+                row[v + "_us"], _ = time_graph(OursVariant(x, H, v), args.iters)
+            variants.append(row)
+            print(f"{name:38s} fp32 state {base:8.1f} us  " +
+                  "  ".join(f"{v} {row[v + '_us']:8.1f} us" for v in VARIANTS), flush=True)
+            del x
+            torch.cuda.empty_cache()
+    result = {"meta": meta, "numerics": num, "prefill": rows, "prefill_variants": variants}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
@@ -259,6 +310,14 @@ def write_md(result, path):
         fla_s = f"{r['fla_us']:.1f}" if r["fla_us"] else "n/a"
         sp = f"{r['speedup_vs_fla']:.2f}x" if r["speedup_vs_fla"] else "n/a"
         lines.append(f"| {r['case']} | {r['ours_us']:.1f} | {fla_s} | {sp} | {r['floor_us']:.1f} | {r['x_floor']:.2f} |")
+    if result.get("prefill_variants"):
+        lines += ["", "Serving variants of the same call (general prefill op, same inputs; GPU us per call): "
+                  "bf16 state in and out; initial/final state as rows of a 4N-row pool picked by state_indices "
+                  "(updated in place); two checkpoint states per sequence (at len/3 and at the end).", "",
+                  "| case | fp32 state | bf16 state | pool addressing | + 2 checkpoints |", "|---|---|---|---|---|"]
+        for r in result["prefill_variants"]:
+            lines.append(f"| {r['case']} | {r['fp32_state_us']:.1f} | {r['bf16_state_us']:.1f} | "
+                         f"{r['pool_us']:.1f} | {r['checkpoints_us']:.1f} |")
     lines += ["", "Numerics, varlen [300, 17, 64, 131], H = 4, against the float64 recurrence:", "",
               "| implementation | out rel | final_state rel |", "|---|---|---|"]
     for k, v in result["numerics"].items():

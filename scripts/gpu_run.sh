@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
 # One device call: build FlashKDA on the GPU machine, check it (record decoder, GPU pytest suite,
 # compute-sanitizer) and benchmark it against fla.  Everything goes to $OUT/run.log; the benchmark
-# JSON/markdown and the Triton autotune cache (for the next call) go beside it.
-#   MODE=quick  build + debug + GPU tests + sanitizer + bench without fla
-#   MODE=full   the same with fla in the benchmark (default)
+# JSON/markdown and the Triton autotune cache (for the next call) go beside it:
+#   $OUT/bench.json, $OUT/benchmarks.md               prefill (bench/bench_prefill.py) -> docs/benchmarks.{json,md}
+#   $OUT/bench_decode.json, $OUT/bench_decode.md      decode / spec decode (bench/bench_decode.py)
+#                                                     -> docs/benchmarks-decode.{json,md}
+#   MODE=quick  build + debug + GPU tests + sanitizer + prefill bench without fla + decode bench --quick
+#               (with fla when importable: its fused_recurrent kernel compiles in seconds, no autotune)
+#   MODE=full   the same with fla in the prefill benchmark and full repetitions (default)
+#   BENCHES="prefill decode" (default) selects the benchmarks; PYTEST_PATHS (default tests/python)
+#               narrows the GPU tests, e.g. PYTEST_PATHS=tests/python/test_gpu_decode.py BENCHES=decode
 #   NCU=1       also Nsight Compute sections of both kernels; SANITIZE=0 skips compute-sanitizer
 # Usage from the device tool (the device copy of the tree has no usable git history, so pass the
 # commit in): FLASHKDA_COMMIT=<sha> MODE=full bash scripts/gpu_run.sh, carrying .whl (fla-core and
@@ -29,7 +35,8 @@ echo "build: $(( $(date +%s) - t0 )) s"
 python3 scripts/debug_records.py --T 130 --H 2
 python3 scripts/debug_records.py --T 200 --H 1 --gate softplus
 python3 scripts/debug_records.py --T 100 --H 1 --D 64
-timeout ${PYTEST_TIMEOUT:-150} python3 -m pytest -m gpu tests/python -q -x --maxfail=3 -p no:cacheprovider ${PYTEST_ARGS:-}
+# -m gpu: tests/python/test_gpu.py (prefill) and tests/python/test_gpu_decode.py (decode) among others
+timeout ${PYTEST_TIMEOUT:-300} python3 -m pytest -m gpu ${PYTEST_PATHS:-tests/python} -q -x --maxfail=3 -p no:cacheprovider ${PYTEST_ARGS:-}
 if [ "${SANITIZE:-1}" = 1 ]; then
   compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_case.py; echo "memcheck rc=$?"
   compute-sanitizer --tool racecheck --error-exitcode 9 python3 scripts/sanitize_case.py; echo "racecheck rc=$?"
@@ -40,8 +47,16 @@ if [ "${NCU:-0}" = 1 ]; then
   ncu --clock-control none -k regex:state_recurrence -c 1 --section SpeedOfLight --section Occupancy \
     --section WarpStateStats python3 scripts/profile_case.py 2 2>&1 | tail -80
 fi
-BARGS=""
-[ "$MODE" = quick ] && BARGS="--no-fla"
-python3 bench/bench_prefill.py --json "$OUT/bench.json" --md "$OUT/benchmarks.md" $BARGS ${BENCH_ARGS:-}
+BENCHES=" ${BENCHES:-prefill decode} "
+if [[ "$BENCHES" == *" prefill "* ]]; then
+  BARGS=""
+  [ "$MODE" = quick ] && BARGS="--no-fla"
+  python3 bench/bench_prefill.py --json "$OUT/bench.json" --md "$OUT/benchmarks.md" $BARGS ${BENCH_ARGS:-}
+fi
+if [[ "$BENCHES" == *" decode "* ]]; then
+  DARGS=""
+  [ "$MODE" = quick ] && DARGS="--quick"
+  python3 bench/bench_decode.py --json "$OUT/bench_decode.json" --md "$OUT/bench_decode.md" $DARGS ${DECODE_BENCH_ARGS:-}
+fi
 if [ -d /tmp/triton_cache ]; then tar czf - -C /tmp triton_cache | split -b 15M - "$OUT/triton_cache.tgz.part"; fi
 echo "total: $(( $(date +%s) - t0 )) s"

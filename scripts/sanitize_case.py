@@ -20,3 +20,39 @@ torch.cuda.synchronize()
 o_ref, s_ref = ref.prefill(q, k, v, g, beta, scale=D ** -0.5, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
                            initial_state=h0, cu_seqlens=cu)
 print("sanitize case: out rel", ref.rel_err(out, o_ref), "state rel", ref.rel_err(ht, s_ref))
+
+# Prefill with checkpoints (mid-chunk, chunk-aligned, 0, the length), a state pool with padding and a
+# scattered token_rows map: chunk_prepare, state_recurrence and checkpoint_advance.
+P = 2 * N
+pool = 0.1 * torch.randn(P, H, D, D, device="cuda")
+idx = torch.randperm(P, device="cuda")[:N].to(torch.int32)
+idx[3] = -1
+offs = torch.tensor([[0, 0], [2, 5], [64, 64], [0, 0], [70, 130], [1, 1], [16, 17]], device="cuda", dtype=torch.int32)
+ckpt = torch.full((N, 2, H, D, D), float("nan"), device="cuda")
+R = T + 11
+rows = torch.randperm(R, device="cuda")[:T].to(torch.int32)
+big = [torch.randn(1, R, H, D, device="cuda").bfloat16() for _ in range(4)]
+bigb = torch.randn(1, R, H, device="cuda").bfloat16()
+out2 = torch.full((1, R, H, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+flashkda.prefill(*big, bigb, out2, ws, A_log=A_log, dt_bias=dt_bias, initial_state=pool, final_state=pool,
+                 cu_seqlens=cu, state_indices=idx, checkpoint_offsets=offs, checkpoint_state=ckpt, token_rows=rows)
+torch.cuda.synchronize()
+print("prefill pool/checkpoints/token_rows: device error", flashkda.read_device_error(ws))
+
+# Decode: plain (1-D) and spec 1+3 (2-D, random acceptance, a padded request) on a bf16 and an fp32 pool.
+dws = torch.empty(torch.ops.flashkda.get_decode_workspace_size(), dtype=torch.uint8, device="cuda")
+for pool_dtype in (torch.float32, torch.bfloat16):
+    Nd, Td = 5, 4
+    dpool = (0.1 * torch.randn(4 * Nd * Td, H, D, D, device="cuda")).to(pool_dtype)
+    dq, dk, dv, dg = (torch.randn(Nd, Td, H, D, device="cuda").bfloat16() for _ in range(4))
+    db = torch.randn(Nd, Td, H, device="cuda").bfloat16()
+    dout = torch.full((Nd, Td, H, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+    slots = torch.randperm(4 * Nd * Td, device="cuda")[:Nd * Td].view(Nd, Td).to(torch.int32)
+    slots[2, :] = -1
+    acc = torch.randint(1, Td + 1, (Nd,), device="cuda", dtype=torch.int32)
+    torch.ops.flashkda.decode(dq, dk, dv, dg, db, dout, dpool, slots, num_accepted_tokens=acc, A_log=A_log,
+                              dt_bias=dt_bias, workspace=dws)
+    torch.ops.flashkda.decode(dq[:, :1], dk[:, :1], dv[:, :1], dg[:, :1], db[:, :1], dout[:, :1], dpool,
+                              slots[:, 0].contiguous(), A_log=A_log, dt_bias=dt_bias, workspace=dws)
+    torch.cuda.synchronize()
+    print("decode", pool_dtype, "device error", flashkda.read_device_error(dws))

@@ -51,6 +51,14 @@ const char* device_error_name(DeviceError e) {
       return "cu_seqlens is not non-decreasing from 0 to the token count";
     case DeviceError::kBadStateIndex:
       return "state_indices holds a value outside [0, P) (negative = padding)";
+    case DeviceError::kBadTokenRow:
+      return "token_rows holds a value outside [0, rows)";
+    case DeviceError::kBadCheckpointOffset:
+      return "checkpoint_offsets holds a value outside [0, sequence length] or decreasing along a row";
+    case DeviceError::kBadAcceptedCount:
+      return "num_accepted_tokens holds a value outside [1, S]";
+    case DeviceError::kStateSlotConflict:
+      return "ssm_state_indices writes a pool row twice, or a row one request writes is read by another";
   }
   return "unknown device error";
 }

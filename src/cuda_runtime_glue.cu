@@ -9,6 +9,7 @@
 
 #include "flashkda/flashkda.h"
 #include "runtime/cuda_dispatch.h"
+#include "sm90/kda_decode_sm90.cuh"
 #include "sm90/kda_prefill_sm90.cuh"
 
 namespace flashkda {
@@ -137,6 +138,14 @@ Status run_prefill_cuda(const PrefillParams& p, const ProblemShape& shape, void*
   a.error_word = static_cast<int*>(workspace);
   a.records = static_cast<char*>(workspace) + kWorkspaceHeaderBytes;
   a.num_slots = sm90::num_chunk_slots(shape.varlen, shape.B, shape.T, shape.N);
+  a.token_rows = p.token_rows.defined() ? p.token_rows.data : nullptr;
+  a.rows_int64 = p.token_rows.defined() && p.token_rows.dtype == DType::kInt64;
+  a.num_rows = p.q.sizes[1];
+  const bool ckpt = p.checkpoint_offsets.defined() && shape.num_checkpoints > 0;
+  a.ckpt_offsets = ckpt ? p.checkpoint_offsets.data : nullptr;
+  a.ckpt_int64 = ckpt && p.checkpoint_offsets.dtype == DType::kInt64;
+  a.n_ckpt = ckpt ? static_cast<int>(shape.num_checkpoints) : 0;
+  a.ckpt_state = ckpt ? static_cast<float*>(p.checkpoint_state.data) : nullptr;
 
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   cudaError_t e = cudaMemsetAsync(workspace, 0, sizeof(int32_t), s);
@@ -144,6 +153,62 @@ Status run_prefill_cuda(const PrefillParams& p, const ProblemShape& shape, void*
   const int sms = g_num_sms[p.q.device_index].load();
   if (shape.K == 128) return sm90::launch_prefill_d128(a, sms, s);
   return sm90::launch_prefill_d64(a, sms, s);
+}
+
+Status run_decode_cuda(const DecodeParams& p, const DecodeShape& shape, void* workspace, Stream stream) {
+  if (!aligned16(workspace)) {
+    return Status::invalid(
+        "flashkda: argument 'workspace': expected a 16-byte aligned pointer, got an unaligned one");
+  }
+  Status st = cuda_device_supported(p.q.device_index);
+  if (!st.ok()) return st;
+  sm90::DecodeArgs a{};
+  a.q = static_cast<const sm90::bf16*>(p.q.data);
+  a.k = static_cast<const sm90::bf16*>(p.k.data);
+  a.v = static_cast<const sm90::bf16*>(p.v.data);
+  a.g = p.g.data;
+  a.beta = p.beta.data;
+  a.out = static_cast<sm90::bf16*>(p.out.data);
+  a.q_sb = p.q.strides[0], a.q_st = p.q.strides[1];
+  a.k_sb = p.k.strides[0], a.k_st = p.k.strides[1];
+  a.v_sb = p.v.strides[0], a.v_st = p.v.strides[1];
+  a.g_sb = p.g.strides[0], a.g_st = p.g.strides[1];
+  a.beta_sb = p.beta.strides[0], a.beta_st = p.beta.strides[1];
+  a.out_sb = p.out.strides[0], a.out_st = p.out.strides[1];
+  a.g_fp32 = p.g.dtype == DType::kFloat32;
+  a.beta_fp32 = p.beta.dtype == DType::kFloat32;
+  a.vec_q = vec_ok(p.q, 8);
+  a.vec_k = vec_ok(p.k, 8);
+  a.vec_g = vec_ok(p.g, a.g_fp32 ? 4 : 8);
+  const bool gated = p.gate_mode != GateMode::kPrecomputed;
+  a.A_log = gated ? static_cast<const float*>(p.A_log.data) : nullptr;
+  a.dt_bias = gated ? static_cast<const float*>(p.dt_bias.data) : nullptr;
+  a.pool = p.state_pool.data;
+  a.pool_rows = p.state_pool.sizes[0];
+  a.idx = p.ssm_state_indices.data;
+  a.idx_int64 = p.ssm_state_indices.dtype == DType::kInt64;
+  a.slots = shape.spec ? p.ssm_state_indices.sizes[1] : 1;
+  a.spec = shape.spec;
+  a.num_accepted = p.num_accepted_tokens.defined() ? p.num_accepted_tokens.data : nullptr;
+  a.acc_int64 = p.num_accepted_tokens.defined() && p.num_accepted_tokens.dtype == DType::kInt64;
+  a.cu_seqlens = p.cu_seqlens.defined() ? p.cu_seqlens.data : nullptr;
+  a.cu_int64 = p.cu_seqlens.defined() && p.cu_seqlens.dtype == DType::kInt64;
+  a.token_rows = p.token_rows.defined() ? p.token_rows.data : nullptr;
+  a.rows_int64 = p.token_rows.defined() && p.token_rows.dtype == DType::kInt64;
+  a.num_rows = p.q.sizes[1];
+  a.T = shape.T;
+  a.H = static_cast<int>(shape.H);
+  a.N = static_cast<int>(shape.N);
+  a.gate_mode = static_cast<int>(p.gate_mode);
+  a.l2norm = p.use_qk_l2norm;
+  a.beta_sigmoid = p.use_beta_sigmoid;
+  a.scale = p.scale > 0.f ? p.scale : 1.0f / std::sqrt(static_cast<float>(shape.K));
+  a.lower_bound = p.lower_bound;
+  a.error_word = static_cast<int*>(workspace);
+  const bool f32 = p.state_pool.dtype == DType::kFloat32;
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  if (shape.K == 128) return sm90::launch_decode_d128(a, f32, s);
+  return sm90::launch_decode_d64(a, f32, s);
 }
 
 }  // namespace detail

@@ -1,13 +1,15 @@
 // The recurrent decode / speculative decode path (include/flashkda/decode.h, spec section 4):
-// workspace sizing, dispatch, and the CPU reference.  Validation lives in validate.cpp
-// (can_implement_decode); the sm90 decode kernel is a later task.
+// workspace sizing, dispatch (CPU tensors: the reference below; CUDA tensors: the sm90 decode kernel
+// through detail::run_decode_cuda), and the CPU reference.  Validation lives in validate.cpp
+// (can_implement_decode).
 //
 // Reference order of work, per request n and head h: read the start state (the read slot), then run
 // the token recurrence one token at a time, writing the state after token t to its write slot (2-D
 // indices) or after the last token to the one slot (1-D).  A request's read slot may be one of its
 // own write slots: the state is read before any write.  Validation guarantees that no pool row is
 // written twice and that no request reads a row another request writes, so the requests are
-// independent and the result does not depend on the order they are processed in.
+// independent and the result does not depend on the order they are processed in.  With token_rows,
+// logical token t reads and writes row token_rows[t] of dim 1.
 #include "flashkda/decode.h"
 
 #include <cmath>
@@ -27,16 +29,23 @@ size_t workspace_size_decode(const DecodeParams& p) {
 }
 
 Status run_decode(const DecodeParams& p, void* workspace, size_t workspace_bytes, Stream stream) {
-  (void)workspace;
-  (void)workspace_bytes;
-  (void)stream;
   DecodeShape shape;
-  Status st = can_implement_decode(p, &shape);  // kNotImplemented for CUDA tensors today
+  Status st = can_implement_decode(p, &shape);
   if (!st.ok()) return st;
   if (p.q.device == DeviceType::kCPU) return reference::decode_reference(p);
+  const size_t need = workspace_size_decode(p);
+  if (workspace == nullptr || workspace_bytes < need) {
+    return Status::invalid("flashkda: argument 'workspace': expected at least " + std::to_string(need) +
+                           " bytes of device memory (workspace_size_decode), got " +
+                           std::to_string(workspace_bytes) + (workspace == nullptr ? " (null pointer)" : ""));
+  }
+#if defined(FLASHKDA_WITH_CUDA)
+  return detail::run_decode_cuda(p, shape, workspace, stream);
+#else
+  (void)stream;
   return Status::not_implemented(
-      "flashkda: the sm90 decode kernel is not implemented yet; use the CPU reference or fla's "
-      "fused_recurrent_kda");
+      "flashkda: CUDA tensors given, but this build of flashkda has no CUDA kernels");
+#endif
 }
 
 namespace reference {
@@ -54,6 +63,7 @@ Status decode_reference(const DecodeParams& p) {
   using detail::load_index;
   using detail::load_index2;
   using detail::offset4;
+  using detail::token_row;
   const int64_t H = sh.H, K = sh.K, V = sh.V, N = sh.N;
   const double scale = p.scale > 0 ? static_cast<double>(p.scale) : 1.0 / std::sqrt(static_cast<double>(K));
   const TensorRef& pool = p.state_pool;
@@ -72,7 +82,7 @@ Status decode_reference(const DecodeParams& p) {
     if (read_slot < 0) {  // padded request: zero output, no state read or written
       for (int64_t t = 0; t < L; ++t)
         for (int64_t h = 0; h < H; ++h)
-          for (int64_t r = 0; r < V; ++r) out[offset4(p.out, row, bos + t, h, r)] = 0;
+          for (int64_t r = 0; r < V; ++r) out[offset4(p.out, row, token_row(p, bos + t), h, r)] = 0;
       continue;
     }
 
@@ -98,7 +108,7 @@ Status decode_reference(const DecodeParams& p) {
       }
       for (int64_t t = 0; t < L; ++t)
         for (int64_t r = 0; r < V; ++r)
-          out[offset4(p.out, row, bos + t, h, r)] = detail::double_to_bf16(o[t * V + r]);
+          out[offset4(p.out, row, token_row(p, bos + t), h, r)] = detail::double_to_bf16(o[t * V + r]);
     }
   }
   return Status::ok_status();

@@ -353,6 +353,7 @@ using detail::load_index2;
 using detail::load_real;
 using detail::offset4;
 using detail::store_real;
+using detail::token_row;
 
 bool load_bool(const TensorRef& t, int64_t i) {
   return static_cast<const uint8_t*>(t.data)[i * t.strides[0]] != 0;
@@ -394,7 +395,7 @@ Status prefill_reference(const PrefillParams& p, int64_t chunk_size) {
       for (int64_t t = 0; t < L; ++t)
         for (int64_t h = 0; h < H; ++h)
           for (int64_t r = 0; r < V; ++r)
-            static_cast<uint16_t*>(p.out.data)[offset4(p.out, row, bos + t, h, r)] = 0;
+            static_cast<uint16_t*>(p.out.data)[offset4(p.out, row, token_row(p, bos + t), h, r)] = 0;
       continue;
     }
     const bool read_state =
@@ -435,7 +436,7 @@ Status prefill_reference(const PrefillParams& p, int64_t chunk_size) {
 
       for (int64_t t = 0; t < L; ++t)
         for (int64_t r = 0; r < V; ++r)
-          static_cast<uint16_t*>(p.out.data)[offset4(p.out, row, bos + t, h, r)] =
+          static_cast<uint16_t*>(p.out.data)[offset4(p.out, row, token_row(p, bos + t), h, r)] =
               double_to_bf16(o[t * V + r]);
       if (p.final_state.defined()) {
         for (int64_t i = 0; i < V * K; ++i) store_real(p.final_state, state_off + i, S[i]);

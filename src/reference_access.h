@@ -44,8 +44,16 @@ inline int64_t offset4(const TensorRef& t, int64_t b, int64_t s, int64_t h, int6
   return b * t.strides[0] + s * t.strides[1] + h * t.strides[2] + d * t.strides[3];
 }
 
-// Preprocessed double inputs of tokens [bos, bos + L) of batch row `row`, head h (spec section 2:
-// l2norm, gate, beta activation as the params say).  `Params` is PrefillParams or DecodeParams.
+// Row (dim 1 of the token tensors) of logical token s: token_rows[s] when the params map tokens to
+// rows, else s.  `Params` is PrefillParams or DecodeParams.
+template <class Params>
+inline int64_t token_row(const Params& p, int64_t s) {
+  return p.token_rows.defined() ? load_index(p.token_rows, s) : s;
+}
+
+// Preprocessed double inputs of logical tokens [bos, bos + L) of batch row `row`, head h (spec
+// section 2: l2norm, gate, beta activation as the params say), read from their rows (token_row).
+// `Params` is PrefillParams or DecodeParams.
 struct HeadInputs {
   std::vector<double> q, k, v, a, b;  // [L, K], [L, K], [L, V], [L, K], [L]
 };
@@ -62,7 +70,7 @@ void load_head_inputs(const Params& p, int64_t row, int64_t bos, int64_t L, int6
   in->v.assign(L * V, 0.0);
   in->b.assign(L, 0.0);
   for (int64_t t = 0; t < L; ++t) {
-    const int64_t s = bos + t;
+    const int64_t s = token_row(p, bos + t);
     for (int64_t c = 0; c < K; ++c) {
       in->q[t * K + c] = load_real(p.q, offset4(p.q, row, s, h, c));
       in->k[t * K + c] = load_real(p.k, offset4(p.k, row, s, h, c));

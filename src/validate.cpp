@@ -3,9 +3,11 @@
 //
 // Both check the arguments in a fixed order and return the first problem they find as
 // "flashkda: argument '<name>': expected <what>, got <what>".  They never abort and never write;
-// they read host memory only (the values of CPU cu_seqlens / state indices / checkpoint offsets /
-// accepted-token counts).  The token inputs (q, k, v, g, beta, out, gate parameters, scalars) are
-// checked by one shared function, so prefill and decode report them alike.  Stride rules follow
+// they read host memory only (the values of CPU cu_seqlens / token rows / state indices / checkpoint
+// offsets / accepted-token counts; the kernels check the values of CUDA ones).  The token inputs (q,
+// k, v, g, beta, out, gate parameters, scalars, token_rows) are checked by shared functions, so
+// prefill and decode report them alike.  With token_rows, dim 1 of the token tensors is the row
+// count R and T is the logical token count (the length of token_rows).  Stride rules follow
 // PyTorch's notion of contiguity: the stride of a dimension of size <= 1 is never looked at.
 #include <algorithm>
 #include <cmath>
@@ -439,8 +441,48 @@ Status check_token_inputs(const Params& p, std::initializer_list<NamedRef> other
   return Status::ok_status();
 }
 
-// cu_seqlens [N+1] (then B == 1); values checked when on the host.  Sets *N.
-Status check_cu_seqlens(const TensorRef& cu, int64_t B, int64_t T, int64_t* N) {
+// token_rows [T] (optional, varlen layout only): logical token t reads its inputs from, and writes
+// its output to, row token_rows[t] of dim 1 of the token tensors (R rows).  Shared by prefill and
+// decode.  Sets *T to the logical token count (R when not given).  The values are checked when on
+// the host (in [0, R), distinct); on CUDA the kernels check the range (DeviceError kBadTokenRow).
+Status check_token_rows(const TensorRef& tr, bool varlen, int64_t B, int64_t R, int64_t* T) {
+  *T = R;
+  if (!tr.defined()) return Status::ok_status();
+  if (!varlen) {
+    return bad("token_rows", "cu_seqlens to be given with it (the varlen layout, B == 1)", "no cu_seqlens");
+  }
+  if (B != 1) {
+    return bad("token_rows", "B == 1 (the varlen layout: q of shape [1, R, H, K])", "B=" + std::to_string(B));
+  }
+  FLASHKDA_TRY(check_rank("token_rows", tr, 1, "[T] (one row per logical token)"));
+  FLASHKDA_TRY(check_dtype("token_rows", tr, {DType::kInt32, DType::kInt64}));
+  FLASHKDA_TRY(check_contiguous("token_rows", tr));
+  FLASHKDA_TRY(check_data("token_rows", tr));
+  *T = tr.sizes[0];
+  if (tr.device == DeviceType::kCPU) {
+    std::unordered_map<int64_t, int64_t> user;  // row -> the token that maps to it
+    user.reserve(static_cast<size_t>(*T));
+    for (int64_t t = 0; t < *T; ++t) {
+      const int64_t r = read_index(tr, t);
+      if (r < 0 || r >= R) {
+        return bad("token_rows",
+                   "values in [0, " + std::to_string(R) + ") (rows of dim 1 of q, k, v, g, beta and out)",
+                   "token_rows[" + std::to_string(t) + "] = " + std::to_string(r));
+      }
+      auto ins = user.emplace(r, t);
+      if (!ins.second) {
+        return bad("token_rows", "distinct values (each row read and written by one token)",
+                   "token_rows[" + std::to_string(t) + "] = token_rows[" + std::to_string(ins.first->second) +
+                       "] = " + std::to_string(r));
+      }
+    }
+  }
+  return Status::ok_status();
+}
+
+// cu_seqlens [N+1] (then B == 1); values checked when on the host.  Sets *N.  T: the logical token
+// count (the length of token_rows when given: `mapped`).
+Status check_cu_seqlens(const TensorRef& cu, int64_t B, int64_t T, int64_t* N, bool mapped) {
   FLASHKDA_TRY(check_rank("cu_seqlens", cu, 1, "[N+1]"));
   FLASHKDA_TRY(check_dtype("cu_seqlens", cu, {DType::kInt32, DType::kInt64}));
   if (cu.sizes[0] < 1) return bad("cu_seqlens", "at least 1 element [N+1]", shape_str(cu));
@@ -466,7 +508,9 @@ Status check_cu_seqlens(const TensorRef& cu, int64_t B, int64_t T, int64_t* N) {
       prev = c;
     }
     if (prev != T) {
-      return bad("cu_seqlens", "cu_seqlens[" + std::to_string(*N) + "] == T = " + std::to_string(T),
+      return bad("cu_seqlens",
+                 "cu_seqlens[" + std::to_string(*N) + "] == T = " + std::to_string(T) +
+                     (mapped ? " (the length of token_rows)" : ""),
                  std::to_string(prev));
     }
   }
@@ -495,14 +539,16 @@ Status can_implement(const PrefillParams& p, ProblemShape* shape) {
                                    {"state_indices", &p.state_indices},
                                    {"has_initial_state", &p.has_initial_state},
                                    {"checkpoint_offsets", &p.checkpoint_offsets},
-                                   {"checkpoint_state", &p.checkpoint_state}},
+                                   {"checkpoint_state", &p.checkpoint_state},
+                                   {"token_rows", &p.token_rows}},
                                   &d));
-  const int64_t B = d.B, T = d.T, H = d.H, K = d.K, V = d.V;
+  const int64_t B = d.B, R = d.T, H = d.H, K = d.K, V = d.V;
 
-  // ---- cu_seqlens -> N
-  int64_t N = B;
+  // ---- token_rows -> T (logical tokens), cu_seqlens -> N
+  int64_t N = B, T = R;
   const bool varlen = p.cu_seqlens.defined();
-  if (varlen) FLASHKDA_TRY(check_cu_seqlens(p.cu_seqlens, B, T, &N));
+  FLASHKDA_TRY(check_token_rows(p.token_rows, varlen, B, R, &T));
+  if (varlen) FLASHKDA_TRY(check_cu_seqlens(p.cu_seqlens, B, T, &N, p.token_rows.defined()));
 
   // ---- states
   const bool pooled = p.state_indices.defined();
@@ -620,10 +666,9 @@ Status can_implement(const PrefillParams& p, ProblemShape* shape) {
       }
     }
 
-    if (p.q.device == DeviceType::kCUDA) {
-      return Status::not_implemented("flashkda: checkpoint states on CUDA are not implemented yet");
-    }
-    for (int64_t n = 0; n < N; ++n) {
+    // Offset values: checked here for host tensors; the kernels check device ones
+    // (DeviceError kBadCheckpointOffset).
+    for (int64_t n = 0; co.device == DeviceType::kCPU && n < N; ++n) {
       const int64_t len = varlen ? seq_len(p.cu_seqlens, T, n) : T;
       int64_t prev = 0;
       for (int64_t j = 0; j < n_ckpt; ++j) {
@@ -650,6 +695,7 @@ Status can_implement(const PrefillParams& p, ProblemShape* shape) {
     shape->total_tokens = B * T;
     shape->varlen = varlen;
     shape->num_checkpoints = n_ckpt;
+    shape->rows = R;
   }
   return Status::ok_status();
 }
@@ -660,14 +706,16 @@ Status can_implement_decode(const DecodeParams& p, DecodeShape* shape) {
                                   {{"state_pool", &p.state_pool},
                                    {"ssm_state_indices", &p.ssm_state_indices},
                                    {"num_accepted_tokens", &p.num_accepted_tokens},
-                                   {"cu_seqlens", &p.cu_seqlens}},
+                                   {"cu_seqlens", &p.cu_seqlens},
+                                   {"token_rows", &p.token_rows}},
                                   &d));
-  const int64_t B = d.B, T = d.T, H = d.H, K = d.K, V = d.V;
+  const int64_t B = d.B, R = d.T, H = d.H, K = d.K, V = d.V;
 
-  // ---- cu_seqlens -> N
-  int64_t N = B;
+  // ---- token_rows -> T (logical tokens), cu_seqlens -> N
+  int64_t N = B, T = R;
   const bool varlen = p.cu_seqlens.defined();
-  if (varlen) FLASHKDA_TRY(check_cu_seqlens(p.cu_seqlens, B, T, &N));
+  FLASHKDA_TRY(check_token_rows(p.token_rows, varlen, B, R, &T));
+  if (varlen) FLASHKDA_TRY(check_cu_seqlens(p.cu_seqlens, B, T, &N, p.token_rows.defined()));
 
   // ---- state pool
   const TensorRef& pool = p.state_pool;
@@ -797,11 +845,8 @@ Status can_implement_decode(const DecodeParams& p, DecodeShape* shape) {
     }
   }
 
-  if (p.q.device == DeviceType::kCUDA) {
-    return Status::not_implemented(
-        "flashkda: the sm90 decode kernel is not implemented yet; use the CPU reference or fla's "
-        "fused_recurrent_kda");
-  }
+  // CUDA index tensors: the kernel checks the values (DeviceError kBadStateIndex, kBadAcceptedCount,
+  // kStateSlotConflict) and writes nothing on a bad one.
 
   if (shape) {
     shape->B = B;
@@ -813,6 +858,7 @@ Status can_implement_decode(const DecodeParams& p, DecodeShape* shape) {
     shape->P = P;
     shape->slots = S;
     shape->total_tokens = B * T;
+    shape->rows = R;
     shape->varlen = varlen;
     shape->spec = spec;
   }

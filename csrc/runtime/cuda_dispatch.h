@@ -3,6 +3,7 @@
 
 #include <cstddef>
 
+#include "flashkda/decode.h"
 #include "flashkda/flashkda.h"
 
 namespace flashkda {
@@ -20,6 +21,9 @@ constexpr size_t chunk_record_bytes(int64_t d) {
 #if defined(FLASHKDA_WITH_CUDA)
 // Validated params (can_implement passed) on CUDA tensors.
 Status run_prefill_cuda(const PrefillParams& p, const ProblemShape& shape, void* workspace, Stream stream);
+// Validated DecodeParams (can_implement_decode passed) on CUDA tensors; workspace: at least
+// workspace_size_decode() bytes of device memory (the error word lives at offset 0).
+Status run_decode_cuda(const DecodeParams& p, const DecodeShape& shape, void* workspace, Stream stream);
 #endif
 
 }  // namespace detail

@@ -84,6 +84,20 @@ __device__ inline void validate_device_inputs(const PrefillArgs& a) {
       if (load_index(a.state_indices, a.idx_int64, i) >= a.pool_rows) atomicExch(a.error_word, 2);
     }
   }
+  if (a.token_rows) {
+    for (int64_t t = threadIdx.x; t < a.T; t += blockDim.x) {
+      const int64_t r = load_index(a.token_rows, a.rows_int64, t);
+      if (r < 0 || r >= a.num_rows) atomicExch(a.error_word, 3);
+    }
+  }
+  if (a.ckpt_offsets) {  // 0 <= offset <= length, non-decreasing along a row
+    for (int64_t e = threadIdx.x; e < static_cast<int64_t>(a.N) * a.n_ckpt; e += blockDim.x) {
+      const int64_t n = e / a.n_ckpt, j = e % a.n_ckpt;
+      const int64_t o = load_index(a.ckpt_offsets, a.ckpt_int64, e);
+      const int64_t prev = j > 0 ? load_index(a.ckpt_offsets, a.ckpt_int64, e - 1) : 0;
+      if (o < prev || o > sequence_span(a, n).len) atomicExch(a.error_word, 4);
+    }
+  }
 }
 
 // Loads 8 consecutive elements (bf16) of a row as floats.
@@ -368,7 +382,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     float xq[8], xk[8], xg[8], xv[8];
     float b = 0.f;
     if (r < rows) {
-      const int64_t tok = tok0 + r;
+      const int64_t tok = mapped_row(a, tok0 + r);
       load8_bf16(a.q + sp.batch * a.q_sb + tok * a.q_st + h * D + c8, a.vec_q, xq);
       load8_bf16(a.k + sp.batch * a.k_sb + tok * a.k_st + h * D + c8, a.vec_k, xk);
       load8_bf16(a.v + sp.batch * a.v_sb + tok * a.v_st + h * D + c8, a.vec_v, xv);

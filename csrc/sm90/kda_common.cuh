@@ -54,6 +54,16 @@ struct PrefillArgs {
   char* records;                            // workspace: one ChunkRecord per (slot, head)
   int* error_word;
   int64_t num_slots;  // chunk slots per head
+  // Optional row map: logical token t lives at row token_rows[t] of the token tensors (dim 1 has
+  // num_rows rows).  T above counts logical tokens.
+  const void* token_rows;
+  int rows_int64;
+  int64_t num_rows;
+  // Optional checkpoints: ckpt_state[n, j] = state after ckpt_offsets[n, j] tokens of sequence n.
+  const void* ckpt_offsets;  // [N, n_ckpt] or null
+  int ckpt_int64;
+  int n_ckpt;
+  float* ckpt_state;  // [N, n_ckpt, H, V, K] fp32
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -68,6 +78,15 @@ __host__ __device__ inline int64_t num_chunk_slots(bool varlen, int64_t B, int64
 
 __device__ inline int64_t load_index(const void* p, int is64, int64_t i) {
   return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
+}
+
+// Row of logical token `tok` in the input/output tensors: token_rows[tok] (clamped, the callers
+// validate it first) or tok itself.
+template <class A>
+__device__ inline int64_t mapped_row(const A& a, int64_t tok) {
+  if (a.token_rows == nullptr) return tok;
+  const int64_t r = load_index(a.token_rows, a.rows_int64, tok);
+  return r < 0 ? 0 : (r >= a.num_rows ? a.num_rows - 1 : r);
 }
 
 struct SeqSpan {

@@ -1,11 +1,16 @@
 // Host-side launcher of the sm90 prefill for one head dim: chunk_prepare over every (chunk slot,
-// head), then state_recurrence over every (sequence, head, state slice), both on the caller's stream.
+// head), then state_recurrence over every (sequence, head, state slice), then (with checkpoints)
+// checkpoint_advance, all on the caller's stream.
 // Grid sizes come from host-known sizes only (no read of cu_seqlens), so the call is graph-safe.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <cstdint>
+
 #include "flashkda/flashkda.h"
+#include "sm90/kda_checkpoint_advance.cuh"
 #include "sm90/kda_chunk_prepare.cuh"
 #include "sm90/kda_state_recurrence.cuh"
 
@@ -17,15 +22,37 @@ inline Status cuda_status(cudaError_t e, const char* what) {
   return Status::cuda_error(std::string("flashkda: ") + what + ": " + cudaGetErrorString(e));
 }
 
-// Whether the (N x H) state passes fill the GPU with 8-warp blocks; otherwise use 4-warp blocks
-// (two per head) so that twice as many SMs work on the sequential part.
-inline bool use_wide_state_blocks(int64_t N, int64_t H, int num_sms) { return N * H >= num_sms; }
+// Raises a kernel's dynamic shared memory limit once per device and process (the attribute sticks;
+// setting it on every call cost host time on the launch path).
+template <auto Kernel>
+cudaError_t set_smem_limit_once(int bytes) {
+  static std::atomic<uint64_t> done{0};
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  const uint64_t bit = 1ull << (dev & 63);
+  if (done.load(std::memory_order_acquire) & bit) return cudaSuccess;
+  e = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e == cudaSuccess) done.fetch_or(bit, std::memory_order_acq_rel);
+  return e;
+}
+
+// Warps per state_recurrence block (each warp owns 16 state rows; a block handles 16 NW of the D
+// rows of one head): the widest block whose grid (N H D / (16 NW) blocks) still fits in one wave of
+// the GPU, so that with few sequences x heads the sequential walk is spread over more SMs (down to
+// one warp per SM for N H <= num_sms / 8), and with many the record loads are shared by 8 warps.
+inline int state_block_warps(int64_t N, int64_t H, int64_t D, int num_sms) {
+  for (int nw = 1; nw < 8; nw *= 2) {
+    if (16 * nw <= D && N * H * (D / (16 * nw)) <= num_sms) return nw;
+  }
+  return D >= 128 ? 8 : 4;
+}
 
 template <int D, int NW>
 Status launch_recurrence(const PrefillArgs& a, cudaStream_t stream) {
   using SM = RecurrenceSmem<D, NW>;
   auto kernel = state_recurrence_kernel<D, NW>;
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SM::kBytes);
+  cudaError_t e = set_smem_limit_once<state_recurrence_kernel<D, NW>>(SM::kBytes);
   if (e != cudaSuccess) return cuda_status(e, "state_recurrence smem attribute");
   dim3 grid(static_cast<unsigned>(a.N), static_cast<unsigned>(a.H), D / SM::kVs);
   kernel<<<grid, 32 * NW, SM::kBytes, stream>>>(a);
@@ -38,7 +65,7 @@ Status launch_prefill(const PrefillArgs& a, int num_sms, cudaStream_t stream) {
   if (a.H <= 0) return Status::ok_status();
   // chunk_prepare also validates the index tensors (block 0), so it runs even with no chunk.
   auto prep = chunk_prepare_kernel<D>;
-  cudaError_t e = cudaFuncSetAttribute(prep, cudaFuncAttributeMaxDynamicSharedMemorySize, PS::kBytes);
+  cudaError_t e = set_smem_limit_once<chunk_prepare_kernel<D>>(PS::kBytes);
   if (e != cudaSuccess) return cuda_status(e, "chunk_prepare smem attribute");
   const int64_t slots = a.num_slots > 0 ? a.num_slots : 1;
   if (slots > 0x7fffffff || a.H > 65535) return Status::invalid("flashkda: problem too large for one launch");
@@ -46,10 +73,29 @@ Status launch_prefill(const PrefillArgs& a, int num_sms, cudaStream_t stream) {
   prep<<<grid, kPrepareThreads, PS::kBytes, stream>>>(a);
   Status st = cuda_status(cudaGetLastError(), "chunk_prepare launch");
   if (!st.ok() || a.N <= 0) return st;
-  if constexpr (D == 128) {
-    if (use_wide_state_blocks(a.N, a.H, num_sms)) return launch_recurrence<D, 8>(a, stream);
+  switch (state_block_warps(a.N, a.H, D, num_sms)) {
+    case 1:
+      st = launch_recurrence<D, 1>(a, stream);
+      break;
+    case 2:
+      st = launch_recurrence<D, 2>(a, stream);
+      break;
+    case 4:
+      st = launch_recurrence<D, 4>(a, stream);
+      break;
+    default:
+      if constexpr (D >= 128) {
+        st = launch_recurrence<D, 8>(a, stream);
+      } else {
+        st = launch_recurrence<D, 4>(a, stream);
+      }
   }
-  return launch_recurrence<D, 4>(a, stream);
+  if (!st.ok() || a.ckpt_offsets == nullptr || a.n_ckpt <= 0) return st;
+  const int64_t blocks = static_cast<int64_t>(a.N) * a.n_ckpt * (D / TokenLayout<D>::kRowsPerBlock);
+  if (blocks > 0x7fffffff) return Status::invalid("flashkda: argument 'checkpoint_offsets': too many checkpoints");
+  checkpoint_advance_kernel<D><<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(a.H)),
+                                 kTokenWarps * 32, 0, stream>>>(a);
+  return cuda_status(cudaGetLastError(), "checkpoint_advance launch");
 }
 
 // Explicit instantiations live in kda_prefill_sm90_d{64,128}.cu.

@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(32 * NW, 1) state_recurrence_kernel(const Pref
   if (srow < 0) {  // padded sequence: zero its output rows, touch no state
     constexpr int kVec = SM::kVs / 8;
     for (int64_t e = tid; e < sp.len * kVec; e += kThreads) {
-      const int64_t tok = sp.bos + e / kVec;
+      const int64_t tok = mapped_row(a, sp.bos + e / kVec);
       bf16* o = a.out + sp.batch * a.out_sb + tok * a.out_st + h * D + v0 + (e % kVec) * 8;
       for (int i = 0; i < 8; ++i) o[i] = __float2bfloat16_rn(0.f);
     }
@@ -113,7 +113,30 @@ __global__ void __launch_bounds__(32 * NW, 1) state_recurrence_kernel(const Pref
     }
   }
 
+  // Checkpoints (offsets validated by chunk_prepare: non-decreasing, within the sequence): the
+  // state at the start of chunk c = o / C goes to checkpoint_state; checkpoint_advance then runs
+  // the remaining o - C c tokens of it with the token recurrence.
+  int next_ckpt = 0;
+  const int64_t ckpt_row0 = n * a.n_ckpt;
+  auto write_checkpoints = [&](int c) {
+    while (next_ckpt < a.n_ckpt) {
+      const int64_t o = load_index(a.ckpt_offsets, a.ckpt_int64, ckpt_row0 + next_ckpt);
+      if (o / kChunk != c) break;
+      float* dst = a.ckpt_state + ((ckpt_row0 + next_ckpt) * a.H + h) * static_cast<int64_t>(D) * D;
+#pragma unroll
+      for (int jj = 0; jj < NT; ++jj) {
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+          const int64_t idx = static_cast<int64_t>(r0 + 8 * (e >> 1)) * D + 8 * jj + 2 * t;
+          *reinterpret_cast<float2*>(dst + idx) = make_float2(s[jj][e], s[jj][e + 1]);
+        }
+      }
+      ++next_ckpt;
+    }
+  };
+
   for (int c = 0; c < nchunks; ++c) {
+    if (a.ckpt_offsets != nullptr) write_checkpoints(c);
     unsigned char* stage = smem + (c & 1) * SM::kStage;
     if (c + 1 < nchunks) {
       load_record_async<D, NW>(rec_base + (c + 1) * rec_stride, smem + ((c + 1) & 1) * SM::kStage, v0, tid);
@@ -252,7 +275,7 @@ __global__ void __launch_bounds__(32 * NW, 1) state_recurrence_kernel(const Pref
     constexpr int kVec = SM::kVs / 8;
     for (int e = tid; e < rows * kVec; e += kThreads) {
       const int r = e / kVec, c8 = (e % kVec) * 8;
-      const int64_t tok = sp.bos + c * kChunk + r;
+      const int64_t tok = mapped_row(a, sp.bos + c * kChunk + r);
       bf16* dst = a.out + sp.batch * a.out_sb + tok * a.out_st + h * D + v0 + c8;
       const bf16* src = sOut + r * SM::kLdO + c8;
       if (a.vec_out) {
@@ -263,6 +286,7 @@ __global__ void __launch_bounds__(32 * NW, 1) state_recurrence_kernel(const Pref
     }
   }
 
+  if (a.ckpt_offsets != nullptr) write_checkpoints(nchunks);
   if (a.ht != nullptr) {
 #pragma unroll
     for (int j = 0; j < NT; ++j) {

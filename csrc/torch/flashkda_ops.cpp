@@ -116,7 +116,8 @@ void run_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
                  const c10::optional<at::Tensor>& cu_seqlens, const c10::optional<at::Tensor>& state_indices,
                  const c10::optional<at::Tensor>& has_initial_state,
                  const c10::optional<at::Tensor>& checkpoint_offsets,
-                 const c10::optional<at::Tensor>& checkpoint_state, const Options& opt) {
+                 const c10::optional<at::Tensor>& checkpoint_state,
+                 const c10::optional<at::Tensor>& token_rows, const Options& opt) {
   flashkda::PrefillParams p;
   p.q = to_ref(q, "q");
   p.k = to_ref(k, "k");
@@ -133,6 +134,7 @@ void run_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   p.has_initial_state = to_ref(has_initial_state, "has_initial_state");
   p.checkpoint_offsets = to_ref(checkpoint_offsets, "checkpoint_offsets");
   p.checkpoint_state = to_ref(checkpoint_state, "checkpoint_state");
+  p.token_rows = to_ref(token_rows, "token_rows");
   p.gate_mode = opt.gate_mode;
   p.use_qk_l2norm = opt.use_qk_l2norm;
   p.use_beta_sigmoid = opt.use_beta_sigmoid;
@@ -181,7 +183,7 @@ void fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
   opt.scale = scale;
   opt.lower_bound = lower_bound;
   run_prefill(q, k, v, g, beta, out, workspace, A_log, dt_bias, initial_state, final_state, cu_seqlens,
-              c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt, opt);
+              c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt, opt);
 }
 
 void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
@@ -193,7 +195,8 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const c10::optional<at::Tensor>& state_indices,
                   const c10::optional<at::Tensor>& has_initial_state,
                   const c10::optional<at::Tensor>& checkpoint_offsets,
-                  const c10::optional<at::Tensor>& checkpoint_state) {
+                  const c10::optional<at::Tensor>& checkpoint_state,
+                  const c10::optional<at::Tensor>& token_rows) {
   Options opt;
   opt.gate_mode = parse_gate_mode(gate_mode);
   opt.use_qk_l2norm = use_qk_l2norm;
@@ -201,17 +204,19 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   opt.scale = scale;
   opt.lower_bound = lower_bound;
   run_prefill(q, k, v, g, beta, out, workspace, A_log, dt_bias, initial_state, final_state, cu_seqlens,
-              state_indices, has_initial_state, checkpoint_offsets, checkpoint_state, opt);
+              state_indices, has_initial_state, checkpoint_offsets, checkpoint_state, token_rows, opt);
 }
 
-// decode: the recurrent path on a state pool (flashkda/decode.h).  CPU tensors run the reference;
-// CUDA tensors get NotImplementedError from run_decode until the sm90 decode kernel exists.
+// decode: the recurrent path on a state pool (flashkda/decode.h).  CPU tensors run the reference
+// (no workspace needed); CUDA tensors run the sm90 decode kernel and need `workspace` (at least
+// get_decode_workspace_size() bytes on q's device: the device error word lives there).
 void decode_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                  const at::Tensor& beta, const at::Tensor& out, const at::Tensor& state_pool,
                  const at::Tensor& ssm_state_indices, const c10::optional<at::Tensor>& num_accepted_tokens,
                  const c10::optional<at::Tensor>& cu_seqlens, double scale, c10::string_view gate_mode,
                  const c10::optional<at::Tensor>& A_log, const c10::optional<at::Tensor>& dt_bias,
-                 double lower_bound, bool use_qk_l2norm, bool use_beta_sigmoid) {
+                 double lower_bound, bool use_qk_l2norm, bool use_beta_sigmoid,
+                 const c10::optional<at::Tensor>& workspace, const c10::optional<at::Tensor>& token_rows) {
   flashkda::DecodeParams p;
   p.q = to_ref(q, "q");
   p.k = to_ref(k, "k");
@@ -225,21 +230,42 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   p.ssm_state_indices = to_ref(ssm_state_indices, "ssm_state_indices");
   p.num_accepted_tokens = to_ref(num_accepted_tokens, "num_accepted_tokens");
   p.cu_seqlens = to_ref(cu_seqlens, "cu_seqlens");
+  p.token_rows = to_ref(token_rows, "token_rows");
   p.gate_mode = parse_gate_mode(gate_mode);
   p.use_qk_l2norm = use_qk_l2norm;
   p.use_beta_sigmoid = use_beta_sigmoid;
   p.scale = static_cast<float>(scale);
   p.lower_bound = static_cast<float>(lower_bound);
 
-  flashkda::Stream stream = nullptr;
-#if defined(FLASHKDA_TORCH_CUDA)
-  if (q.is_cuda()) {
-    stream = reinterpret_cast<flashkda::Stream>(c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
+  throw_status(flashkda::can_implement_decode(p));
+
+  // The workspace: any dtype, contiguous, on q's device.  CPU calls need none (None or empty).
+  const bool has_ws = workspace.has_value() && workspace->defined();
+  void* ws_ptr = nullptr;
+  size_t ws_bytes = 0;
+  if (has_ws && workspace->numel() > 0) {
+    TORCH_CHECK_VALUE(workspace->device() == q.device(),
+                      "flashkda: argument 'workspace': expected a tensor on ", q.device(),
+                      " (the device of q), got one on ", workspace->device());
+    TORCH_CHECK_VALUE(workspace->is_contiguous(),
+                      "flashkda: argument 'workspace': expected a contiguous tensor, ", "got strides ",
+                      workspace->strides());
+    ws_ptr = workspace->data_ptr();
+    ws_bytes = static_cast<size_t>(workspace->numel()) * workspace->element_size();
   }
+  flashkda::Stream stream = nullptr;
+  if (q.is_cuda()) {
+    const size_t need = flashkda::workspace_size_decode(p);
+    TORCH_CHECK_VALUE(has_ws, "flashkda: argument 'workspace': expected a uint8 tensor on ", q.device(),
+                      " of at least ", need, " bytes (flashkda.get_decode_workspace_size()), got none");
+    TORCH_CHECK_VALUE(ws_bytes >= need, "flashkda: argument 'workspace': expected at least ", need,
+                      " bytes on ", q.device(), " (flashkda.get_decode_workspace_size()), got ", ws_bytes,
+                      " bytes");
+#if defined(FLASHKDA_TORCH_CUDA)
+    stream = reinterpret_cast<flashkda::Stream>(c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
 #endif
-  // No workspace argument: the CPU reference needs none, and the CUDA kernel (a later task) will size
-  // its own needs from workspace_size_decode().
-  throw_status(flashkda::run_decode(p, nullptr, 0, stream));
+  }
+  throw_status(flashkda::run_decode(p, ws_ptr, ws_bytes, stream));
 }
 
 int64_t get_workspace_size(int64_t T_total, int64_t H, int64_t N) {
@@ -250,8 +276,13 @@ int64_t get_workspace_size(int64_t T_total, int64_t H, int64_t N) {
   return static_cast<int64_t>(flashkda::workspace_size(T_total, H, N, 128));
 }
 
+// Bytes of workspace a CUDA decode call needs (depends on nothing the host does not know up front).
+int64_t get_decode_workspace_size() {
+  return static_cast<int64_t>(flashkda::workspace_size_decode(flashkda::DecodeParams{}));
+}
+
 // Debugging aid: the device-side input error recorded in `workspace` by the last CUDA call that used
-// it (0 = none, 1 = bad cu_seqlens, 2 = bad state index).  Synchronises the current stream.
+// it (0 = none, else a flashkda::DeviceError code).  Synchronises the current stream.
 int64_t read_device_error_cpu(const at::Tensor& workspace) {
   (void)workspace;
   return 0;  // CPU calls validate every value on the host before writing anything.
@@ -301,12 +332,13 @@ void prefill_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const c10::optional<at::Tensor>& state_indices,
                   const c10::optional<at::Tensor>& has_initial_state,
                   const c10::optional<at::Tensor>& checkpoint_offsets,
-                  const c10::optional<at::Tensor>& checkpoint_state) {
+                  const c10::optional<at::Tensor>& checkpoint_state,
+                  const c10::optional<at::Tensor>& token_rows) {
   c10::optional<c10::cuda::CUDAGuard> guard;
   if (q.is_cuda()) guard.emplace(q.device());
   prefill_impl(q, k, v, g, beta, out, workspace, scale, gate_mode, A_log, dt_bias, lower_bound, use_qk_l2norm,
                use_beta_sigmoid, initial_state, final_state, cu_seqlens, state_indices, has_initial_state,
-               checkpoint_offsets, checkpoint_state);
+               checkpoint_offsets, checkpoint_state, token_rows);
 }
 
 void decode_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
@@ -314,11 +346,12 @@ void decode_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
                  const at::Tensor& ssm_state_indices, const c10::optional<at::Tensor>& num_accepted_tokens,
                  const c10::optional<at::Tensor>& cu_seqlens, double scale, c10::string_view gate_mode,
                  const c10::optional<at::Tensor>& A_log, const c10::optional<at::Tensor>& dt_bias,
-                 double lower_bound, bool use_qk_l2norm, bool use_beta_sigmoid) {
+                 double lower_bound, bool use_qk_l2norm, bool use_beta_sigmoid,
+                 const c10::optional<at::Tensor>& workspace, const c10::optional<at::Tensor>& token_rows) {
   c10::optional<c10::cuda::CUDAGuard> guard;
   if (q.is_cuda()) guard.emplace(q.device());
   decode_impl(q, k, v, g, beta, out, state_pool, ssm_state_indices, num_accepted_tokens, cu_seqlens, scale,
-              gate_mode, A_log, dt_bias, lower_bound, use_qk_l2norm, use_beta_sigmoid);
+              gate_mode, A_log, dt_bias, lower_bound, use_qk_l2norm, use_beta_sigmoid, workspace, token_rows);
 }
 #endif
 
@@ -345,12 +378,14 @@ TORCH_LIBRARY(flashkda, m) {
       "float lower_bound=-5.0, bool use_qk_l2norm=True, bool use_beta_sigmoid=True, "
       "Tensor? initial_state=None, Tensor(b!)? final_state=None, Tensor? cu_seqlens=None, "
       "Tensor? state_indices=None, Tensor? has_initial_state=None, Tensor? checkpoint_offsets=None, "
-      "Tensor(d!)? checkpoint_state=None) -> ()");
+      "Tensor(d!)? checkpoint_state=None, Tensor? token_rows=None) -> ()");
   m.def(
       "decode(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) out, Tensor(b!) state_pool, "
       "Tensor ssm_state_indices, *, Tensor? num_accepted_tokens=None, Tensor? cu_seqlens=None, "
       "float scale=0.0, str gate_mode=\"bounded\", Tensor? A_log=None, Tensor? dt_bias=None, "
-      "float lower_bound=-5.0, bool use_qk_l2norm=True, bool use_beta_sigmoid=True) -> ()");
+      "float lower_bound=-5.0, bool use_qk_l2norm=True, bool use_beta_sigmoid=True, "
+      "Tensor(c!)? workspace=None, Tensor? token_rows=None) -> ()");
+  m.def("get_decode_workspace_size() -> int", &flashkda_torch::get_decode_workspace_size);
   m.def("read_device_error(Tensor workspace) -> int");
   m.def("clear_device_error(Tensor(a!) workspace) -> ()");
   m.def("built_with_cuda() -> bool", &flashkda_torch::built_with_cuda);

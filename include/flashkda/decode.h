@@ -15,6 +15,8 @@
 //   * varlen layout (cu_seqlens [N+1] int32/int64, then B == 1): request n has the tokens
 //     cu_seqlens[n] .. cu_seqlens[n+1]-1 (any count >= 0).
 //   dtypes, strides, gate modes and flags: exactly those of PrefillParams.
+//   token_rows [T] (optional, varlen layout only): as PrefillParams::token_rows, the token tensors
+//     have R rows and logical token t (the t of cu_seqlens) reads and writes row token_rows[t].
 //   state_pool [P, H, V, K] fp32 or bf16, contiguous, V-first: read and written in place.
 //
 // Which pool rows are used (a negative index means "padding"):
@@ -34,8 +36,10 @@
 //   no pool row written twice in one call (two writes would race), and no pool row written by one
 //   request and read by another (a read/write race).
 //
-// CUDA: the sm90 decode kernel does not exist yet; for CUDA tensors can_implement_decode and
-// run_decode return kNotImplemented once every argument is otherwise valid.
+// CUDA tensors: the sm90 decode kernel, on `stream`, no allocation, no host synchronisation
+// (graph-capturable).  It checks the index values itself: on a bad one it writes nothing and
+// records a DeviceError in the workspace (kBadCuSeqlens, kBadStateIndex, kBadTokenRow,
+// kBadAcceptedCount, kStateSlotConflict; read_device_error()).
 #pragma once
 
 #include <cstddef>
@@ -53,6 +57,7 @@ struct DecodeParams {
   TensorRef ssm_state_indices;    // [N] or [N, S] int32 / int64
   TensorRef num_accepted_tokens;  // [N] int32 / int64, required with 2-D ssm_state_indices
   TensorRef cu_seqlens;           // [N+1] int32 / int64 (optional; then B == 1)
+  TensorRef token_rows;           // [T_log] int32 / int64 (optional, varlen only): as PrefillParams
 
   GateMode gate_mode = GateMode::kBounded;
   bool use_qk_l2norm = true;
@@ -68,22 +73,25 @@ struct DecodeShape {
   int64_t P = 0;             // pool rows
   int64_t slots = 1;         // S: columns of 2-D ssm_state_indices (1 for 1-D)
   int64_t total_tokens = 0;  // B * T
+  int64_t rows = 0;          // dim 1 of q/k/v/g/beta/out (== T unless token_rows is given)
   bool varlen = false;
   bool spec = false;  // 2-D ssm_state_indices (one write slot per token)
 };
 
 // Checks every argument and returns the first problem as "flashkda: argument '<name>': expected
-// <what>, got <what>" (kInvalidArgument), kNotImplemented for valid problems this build cannot run
-// (head dims other than 64 / 128, CUDA tensors for now).  Reads host memory only.
+// <what>, got <what>" (kInvalidArgument), kNotImplemented for valid problems the kernels do not
+// cover (head dims other than 64 / 128), kUnsupportedDevice for CUDA tensors this build / GPU cannot
+// run.  Reads host memory only.
 Status can_implement_decode(const DecodeParams& p, DecodeShape* shape = nullptr);
 
-// Bytes of workspace a decode call needs: none on CPU; a CUDA call will need this many bytes of
-// device memory (today only the reserved error header; sized from host numbers only).
+// Bytes of workspace a decode call needs: none on CPU; a CUDA call needs this many bytes of device
+// memory (the error header: 256 today; sized from host numbers only, so one buffer serves every
+// step).
 size_t workspace_size_decode(const DecodeParams& p);
 
 // Runs the decode.  CPU tensors: the reference (float64 accumulation; validates first and writes
-// nothing on error).  CUDA tensors: Status kNotImplemented (the sm90 decode kernel is a later task;
-// fla's fused_recurrent_kda covers it meanwhile).
+// nothing on error).  CUDA tensors: the sm90 decode kernel on `stream`; `workspace` must be device
+// memory of at least workspace_size_decode(p) bytes (else kInvalidArgument naming 'workspace').
 Status run_decode(const DecodeParams& p, void* workspace, size_t workspace_bytes, Stream stream = nullptr);
 
 }  // namespace flashkda

@@ -73,8 +73,13 @@ TensorRef make_strided_tensor_ref(void* data, DType dtype, std::initializer_list
 //     (optional, given together; spec section 5): checkpoint_state[n, j] receives the state of
 //     sequence n after its first checkpoint_offsets[n, j] tokens (0 <= offset <= length of sequence
 //     n, non-decreasing along a row; offset 0 is the starting state), i.e. the final state of running
-//     that prefix alone.  Padded sequences (negative state index) leave their rows untouched.  CPU
-//     only for now: with CUDA tensors can_implement() returns kNotImplemented.
+//     that prefix alone.  Padded sequences (negative state index) leave their rows untouched.  The
+//     offsets of CUDA calls are checked on the device (DeviceError kBadCheckpointOffset).
+//   token_rows [T] int32/int64 (optional, varlen layout only): the token tensors then have R rows
+//     (dim 1: q, k, g [1, R, H, K], v, out [1, R, H, V], beta [1, R, H]) and logical token t (the t of
+//     cu_seqlens, which must end at T = the length of token_rows) lives in row token_rows[t]; rows
+//     no token maps to are neither read nor written.  Values in [0, R), distinct (checked on the
+//     host for CPU tensors; the range on the device for CUDA ones, DeviceError kBadTokenRow).
 // Strides: each token's [H, D] block (q, k, v, g, out) and [H] (beta) must be contiguous; the token
 // and batch strides are free, so slices of fused projections are read in place.
 struct PrefillParams {
@@ -87,6 +92,11 @@ struct PrefillParams {
   TensorRef has_initial_state;
   TensorRef checkpoint_offsets;  // [N, n_ckpt] int32/int64, contiguous
   TensorRef checkpoint_state;    // [N, n_ckpt, H, V, K] fp32, contiguous, written
+  // Optional output/input row map (serving steps that mix prefill and decode tokens): [T_log]
+  // int32/int64, contiguous, varlen layout only.  Logical token t (the t of cu_seqlens) reads q, k,
+  // v, g, beta from row token_rows[t] of dim 1 and writes out at that row; rows no token maps to are
+  // neither read nor written.  Without it, logical token t is row t.
+  TensorRef token_rows;
 
   GateMode gate_mode = GateMode::kBounded;
   bool use_qk_l2norm = true;
@@ -116,10 +126,12 @@ struct ProblemShape {
   int64_t total_tokens = 0;  // B * T
   bool varlen = false;
   int64_t num_checkpoints = 0;  // n_ckpt (0 without checkpoints)
+  int64_t rows = 0;             // dim 1 of q/k/v/g/beta/out (== T unless token_rows is given)
 };
 
 // Bytes of workspace a CUDA call needs; CPU calls need none.  Depends only on sizes known to the
 // host, so an engine can size it once for its largest step and reuse it (it is not cleared by us).
+// total_tokens counts logical tokens (the length of token_rows when given, not the row count).
 size_t workspace_size(int64_t total_tokens, int64_t num_heads, int64_t num_seqs, int64_t head_dim = 128);
 size_t workspace_size(const PrefillParams& p);
 
@@ -131,8 +143,9 @@ Status can_implement(const PrefillParams& p, ProblemShape* shape = nullptr);
 
 // Runs the prefill.  CPU tensors: the reference (float64 accumulation).  CUDA tensors: the sm90
 // kernels on `stream`, no allocation, no host synchronisation (graph-capturable).  For CUDA tensors
-// the values of cu_seqlens / state_indices are validated on the device: on a bad value the kernel
-// writes nothing and records an error code in the workspace (read it with read_device_error()).
+// the values of cu_seqlens / state_indices / token_rows / checkpoint_offsets are validated on the
+// device: on a bad value the kernel writes nothing and records an error code in the workspace (read
+// it with read_device_error()).
 Status run(const PrefillParams& p, void* workspace, size_t workspace_bytes, Stream stream = nullptr);
 
 // Device-side input errors recorded by the last run() that used this workspace.
@@ -140,6 +153,10 @@ enum class DeviceError : int32_t {
   kNone = 0,
   kBadCuSeqlens = 1,   // cu_seqlens not non-decreasing from 0 to T
   kBadStateIndex = 2,  // state_indices out of [0, P) (negative means padding and is allowed)
+  kBadTokenRow = 3,    // token_rows value out of [0, rows)
+  kBadCheckpointOffset = 4,  // checkpoint_offsets outside [0, length] or decreasing along a row
+  kBadAcceptedCount = 5,     // num_accepted_tokens outside [1, S]
+  kStateSlotConflict = 6,    // a pool row written twice, or written by one request and read by another
 };
 const char* device_error_name(DeviceError e);
 // Synchronises `stream` and reads the error word (a debugging / validation aid, not for hot paths).

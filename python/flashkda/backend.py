@@ -1,4 +1,4 @@
-"""Backend selection for flashkda's entry points (``chunk_kda`` today; one selector for every kind).
+"""Backend selection for flashkda's entry points (``chunk_kda`` for prefill, ``decode`` for decode).
 
 Three backends can compute a KDA call:
 
@@ -7,13 +7,17 @@ Three backends can compute a KDA call:
   head dims K == V in {64, 128}, as many value heads as q/k heads, no autograd, and flags flashkda
   serves (for ``chunk_kda``: not ``return_intermediate_states``, not ``cp_context``, no unknown
   keyword arguments).
-* ``"triton"``: fla's Triton kernels (``fla.ops.kda.chunk_kda`` for prefill), with the call passed
-  through unchanged (fla returns ``(o, final_state)``).  Needs CUDA tensors and an importable ``fla``.
+* ``"triton"``: fla's Triton kernels.  Prefill: ``fla.ops.kda.chunk_kda``, with the call passed
+  through unchanged (fla returns ``(o, final_state)``).  Decode: ``fla.ops.kda.fused_recurrent_kda``
+  on the gathered pool rows, written back by the wrapper (plain decode, 1-D indices, only; needs an
+  fla whose ``fused_recurrent_kda`` takes ``A_log``, ``dt_bias``, ``use_gate_in_kernel``,
+  ``use_beta_sigmoid_in_kernel``, ``lower_bound`` and ``state_v_first``).  Needs CUDA tensors and an
+  importable ``fla``.
 * ``"reference"``: flashkda's reference.  For CPU tensors, the C++ CPU implementation behind the same
   ops (float64 accumulation, same restrictions as ``"cuda"`` except the device).  For CUDA tensors,
-  and only when asked for by name, the float64 pure-PyTorch reference (:mod:`flashkda.reference`)
-  run on the tensors' GPU, results cast back: slow (a Python loop over tokens, a host sync), for
-  debugging.
+  and only when asked for by name, the float64 pure-PyTorch reference (:mod:`flashkda.reference`,
+  prefill and decode) run on the tensors' GPU, results cast back: slow (a Python loop over tokens, a
+  host sync), for debugging.
 
 ``backend="auto"`` picks the first backend that can serve the call, in the order cuda, triton,
 reference (the reference only for CPU tensors).  A backend asked for by name never falls back: when
@@ -28,13 +32,14 @@ time.
 
 :func:`select_backend` is generic over the kind of call (``"prefill"``, ``"decode"``): an entry point
 describes its call (the main tensors, the tensors that may require grad, and the reasons flashkda's
-own implementations cannot serve its flags) and gets a :class:`Selection`.
+own implementations, or fla's, cannot serve its flags) and gets a :class:`Selection`.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import os
 from dataclasses import dataclass, field
 from typing import Dict, Mapping, Optional, Sequence, Tuple
@@ -55,7 +60,14 @@ _HEAD_DIMS = (64, 128)
 _OWN_OPS = {"prefill": "prefill", "decode": "decode"}
 _FLA_FUNCTIONS = {"prefill": ("fla.ops.kda", "chunk_kda"), "decode": ("fla.ops.kda", "fused_recurrent_kda")}
 # Kinds the float64 PyTorch reference (flashkda.reference) can compute on CUDA tensors.
-_TORCH_REFERENCE_KINDS = ("prefill",)
+_TORCH_REFERENCE_KINDS = ("prefill", "decode")
+# Arguments fla's function for a kind must name explicitly (an older fla swallows unknown keywords in
+# **kwargs and would silently compute something else).
+_FLA_REQUIRED_ARGS = {
+    "prefill": (),
+    "decode": ("A_log", "dt_bias", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "lower_bound",
+               "state_v_first"),
+}
 
 _DESCRIPTIONS = {
     "cuda": "flashkda's sm_90a CUDA kernels",
@@ -205,12 +217,32 @@ def _fla_problem(kind: str, do_import: bool) -> str:
             why = ""
         else:
             try:
-                _fla_functions[kind] = getattr(importlib.import_module(module), name)
+                fn = getattr(importlib.import_module(module), name)
                 why = ""
             except Exception as e:  # noqa: BLE001 (any import failure: triton missing, no GPU support, ...)
                 why = f"fla is installed but `from {module} import {name}` failed: {type(e).__name__}: {e}"
+            if not why:
+                why = _fla_signature_problem(kind, f"{module}.{name}", fn)
+                if not why:
+                    _fla_functions[kind] = fn
         _fla_cache[key] = why
     return _fla_cache[key]
+
+
+def _fla_signature_problem(kind: str, qualname: str, fn) -> str:
+    """'' when `fn` names every argument flashkda passes it for `kind`, else what is missing."""
+    required = _FLA_REQUIRED_ARGS[kind]
+    if not required:
+        return ""
+    try:
+        params = inspect.signature(inspect.unwrap(fn)).parameters
+    except (TypeError, ValueError):
+        return ""  # not introspectable: trust it
+    missing = [a for a in required if a not in params]
+    if missing:
+        return (f"the installed fla's {qualname} has no argument(s) {missing} (an older fla); upgrade fla "
+                "(`pip install -U fla-core`)")
+    return ""
 
 
 def _reset_caches() -> None:
@@ -294,7 +326,8 @@ def _common_restrictions(fn: str, q: Tensor, v: Tensor, tensors: Mapping[str, Op
 
 
 def _check(backend: str, kind: str, fn: str, requested: str, q: Tensor, k: Tensor, v: Tensor,
-           tensors: Mapping[str, Optional[Tensor]], unsupported: Sequence[str]) -> Tuple[list, list]:
+           tensors: Mapping[str, Optional[Tensor]], unsupported: Sequence[str],
+           triton_unsupported: Sequence[str] = ()) -> Tuple[list, list]:
     """(machine reasons, not-implemented reasons) why `backend` cannot serve the call; both empty: it can."""
     dev = q.device
     machine, feature = [], []
@@ -319,6 +352,7 @@ def _check(backend: str, kind: str, fn: str, requested: str, q: Tensor, k: Tenso
         why = _fla_problem(kind, dev.type == "cuda")
         if why:
             machine.append(why)
+        feature += list(triton_unsupported)
     elif backend == "reference":
         if dev.type == "cpu":
             if not _has_own_op(kind):
@@ -350,6 +384,7 @@ def select_backend(
     fn: Optional[str] = None,
     tensors: Optional[Mapping[str, Optional[Tensor]]] = None,
     unsupported: Sequence[str] = (),
+    triton_unsupported: Sequence[str] = (),
     evaluate_all: bool = False,
 ) -> Selection:
     """Chooses the backend of one call of kind ``"prefill"`` or ``"decode"``.
@@ -359,7 +394,8 @@ def select_backend(
     "auto").  ``fn``: the entry point's name, for messages.  ``tensors``: named tensors checked for
     ``requires_grad`` (flashkda's implementations are inference-only).  ``unsupported``: reasons,
     found by the entry point, why flashkda's own implementations (cuda, reference) cannot serve the
-    call's flags.  ``evaluate_all``: judge every backend (for explanations) instead of stopping at the
+    call's flags; ``triton_unsupported``: the same for fla's function (the "triton" backend).
+    ``evaluate_all``: judge every backend (for explanations) instead of stopping at the
     chosen one.  Never raises for an unservable call: ``Selection.backend`` is None then, and
     ``Selection.error()`` is the exception to raise.
     """
@@ -375,7 +411,7 @@ def select_backend(
     for b in order:
         if chosen is not None and not evaluate_all:
             break
-        machine, feature = _check(b, kind, fn, requested, q, k, v, tensors, unsupported)
+        machine, feature = _check(b, kind, fn, requested, q, k, v, tensors, unsupported, triton_unsupported)
         if machine or feature:
             reasons[b] = "; ".join(machine + feature)
             if feature:

@@ -5,7 +5,14 @@ The ops themselves are registered by the C++ library (csrc/torch/flashkda_ops.cp
 * ``fwd``: the fused "Kimi" configuration (bounded gate, q/k l2norm, beta sigmoid);
 * ``prefill``: every gate mode and flag, varlen, state pools (``state_indices``), checkpoint states;
 * ``decode``: the recurrent decode / speculative decode on a state pool (wrapper: ``flashkda.decode``);
-* ``get_workspace_size``: bytes of workspace a CUDA call needs.
+* ``get_workspace_size`` / ``get_decode_workspace_size``: bytes of workspace a CUDA prefill / decode
+  call needs.
+
+``prefill`` and ``decode`` take an optional ``token_rows [T]`` (varlen layout only): the token
+tensors then have R rows (dim 1) and logical token t (the t of ``cu_seqlens``) reads its inputs from
+and writes its output to row ``token_rows[t]``; other rows are neither read nor written.  This is
+how one engine step's tensors hold prefill, decode and speculative tokens in any order
+(:func:`flashkda.serving.kda_step`).
 
 They write into caller-provided ``out`` / ``final_state`` / ``workspace`` and return nothing, so
 they allocate nothing, never synchronise the host, and can be captured in CUDA graphs and traced by
@@ -23,7 +30,9 @@ __all__ = [
     "fwd",
     "prefill",
     "get_workspace_size",
+    "get_decode_workspace_size",
     "new_workspace",
+    "new_decode_workspace",
     "read_device_error",
     "clear_device_error",
     "DEVICE_ERRORS",
@@ -36,6 +45,10 @@ DEVICE_ERRORS = {
     0: "none",
     1: "cu_seqlens is not non-decreasing from 0 to the token count",
     2: "state_indices holds a value outside [0, P) (negative = padding)",
+    3: "token_rows holds a value outside [0, rows)",
+    4: "checkpoint_offsets holds a value outside [0, sequence length] or decreasing along a row",
+    5: "num_accepted_tokens holds a value outside [1, S]",
+    6: "ssm_state_indices writes a pool row twice, or a row one request writes is read by another",
 }
 
 
@@ -49,14 +62,14 @@ def _fwd_fake(q, k, v, g, beta, scale, out, workspace, A_log, dt_bias, lower_bou
 def _prefill_fake(q, k, v, g, beta, out, workspace, *, scale=0.0, gate_mode="bounded", A_log=None,
                   dt_bias=None, lower_bound=-5.0, use_qk_l2norm=True, use_beta_sigmoid=True,
                   initial_state=None, final_state=None, cu_seqlens=None, state_indices=None,
-                  has_initial_state=None, checkpoint_offsets=None, checkpoint_state=None):
+                  has_initial_state=None, checkpoint_offsets=None, checkpoint_state=None, token_rows=None):
     return None
 
 
 @torch.library.register_fake("flashkda::decode")
 def _decode_fake(q, k, v, g, beta, out, state_pool, ssm_state_indices, *, num_accepted_tokens=None,
                  cu_seqlens=None, scale=0.0, gate_mode="bounded", A_log=None, dt_bias=None, lower_bound=-5.0,
-                 use_qk_l2norm=True, use_beta_sigmoid=True):
+                 use_qk_l2norm=True, use_beta_sigmoid=True, workspace=None, token_rows=None):
     return None
 
 
@@ -85,23 +98,41 @@ def get_workspace_size(T_total: int, H: int, N: int = 1) -> int:
     return int(torch.ops.flashkda.get_workspace_size(int(T_total), int(H), max(int(N), 1)))
 
 
-def _problem_sizes(q: Tensor, cu_seqlens: Optional[Tensor]):
+def get_decode_workspace_size() -> int:
+    """Bytes of workspace a CUDA decode call (``torch.ops.flashkda.decode``) needs; CPU calls need none.
+
+    A constant (the device error header), so one buffer serves every decode call of an engine.
+    """
+    return int(torch.ops.flashkda.get_decode_workspace_size())
+
+
+def _problem_sizes(q: Tensor, cu_seqlens: Optional[Tensor], token_rows: Optional[Tensor] = None):
     if q.dim() != 4:  # let the op report the bad shape
         return 1, 1, 1
     B, T, H = q.shape[0], q.shape[1], q.shape[2]
+    if token_rows is not None and token_rows.dim() == 1:
+        T = token_rows.shape[0]  # the logical tokens, not the rows
     N = cu_seqlens.shape[0] - 1 if cu_seqlens is not None and cu_seqlens.dim() == 1 else B
     return B * T, H, max(N, 1)
 
 
-def new_workspace(q: Tensor, cu_seqlens: Optional[Tensor] = None) -> Tensor:
-    """A workspace for a call on ``q``: empty on CPU, ``get_workspace_size`` bytes on CUDA.
+def new_workspace(q: Tensor, cu_seqlens: Optional[Tensor] = None, token_rows: Optional[Tensor] = None) -> Tensor:
+    """A workspace for a prefill on ``q``: empty on CPU, ``get_workspace_size`` bytes on CUDA.
 
+    With ``token_rows`` it is sized for its length (the logical tokens), not for ``q.shape[1]``.
     Its contents need no initialisation: each CUDA call clears the error word itself.
     """
     if q.device.type != "cuda":
         return torch.empty(0, dtype=torch.uint8, device=q.device)
-    T_total, H, N = _problem_sizes(q, cu_seqlens)
+    T_total, H, N = _problem_sizes(q, cu_seqlens, token_rows)
     return torch.empty(get_workspace_size(T_total, H, N), dtype=torch.uint8, device=q.device)
+
+
+def new_decode_workspace(q: Tensor) -> Optional[Tensor]:
+    """A workspace for a decode on ``q``: None on CPU, ``get_decode_workspace_size`` bytes on CUDA."""
+    if q.device.type != "cuda":
+        return None
+    return torch.empty(get_decode_workspace_size(), dtype=torch.uint8, device=q.device)
 
 
 def _new_out(q: Tensor, v: Tensor) -> Tensor:
@@ -171,6 +202,7 @@ def prefill(
     has_initial_state: Optional[Tensor] = None,
     checkpoint_offsets: Optional[Tensor] = None,
     checkpoint_state: Optional[Tensor] = None,
+    token_rows: Optional[Tensor] = None,
 ) -> Tensor:
     """The general KDA prefill (``torch.ops.flashkda.prefill``); returns ``out``.
 
@@ -184,13 +216,18 @@ def prefill(
     from each sequence's start, ``0 <= off <= len_n``, non-decreasing per row) the state after the
     first ``checkpoint_offsets[n, j]`` tokens of sequence n is written to ``checkpoint_state[n, j]``
     (``[N, n_ckpt, H, V, K]`` fp32, written in place; the two are given together).  Rows of padded
-    sequences are left untouched.  CPU only for now (CUDA raises ``NotImplementedError``).
+    sequences are left untouched.
+
+    Token rows (one engine step's mixed tensors): with ``token_rows [T]`` int32/int64 (varlen only),
+    q, k, g, v, beta and out have R rows (dim 1) and logical token t (the t of ``cu_seqlens``, which
+    ends at T) reads row ``token_rows[t]`` and writes its output there; the other rows of ``out`` are
+    left untouched (a newly allocated ``out`` holds garbage there).  Values in [0, R), distinct.
     """
     _check_no_grad("prefill", q, k, v, g, beta, A_log, dt_bias, initial_state)
     if out is None:
         out = _new_out(q, v)
     if workspace is None:
-        workspace = new_workspace(q, cu_seqlens)
+        workspace = new_workspace(q, cu_seqlens, token_rows)
     torch.ops.flashkda.prefill(
         q, k, v, g, beta, out, workspace,
         scale=0.0 if scale is None else float(scale),
@@ -207,6 +244,7 @@ def prefill(
         has_initial_state=has_initial_state,
         checkpoint_offsets=checkpoint_offsets,
         checkpoint_state=checkpoint_state,
+        token_rows=token_rows,
     )
     return out
 
@@ -214,8 +252,9 @@ def prefill(
 def read_device_error(workspace: Tensor) -> int:
     """The device-side input error recorded in ``workspace`` by the last CUDA call that used it.
 
-    0 means none (see :data:`DEVICE_ERRORS`).  On CUDA the kernels check the values of cu_seqlens and
-    state_indices themselves; on a bad value they write nothing and record the code here.  This
+    0 means none (see :data:`DEVICE_ERRORS`).  On CUDA the kernels check the values of the index
+    tensors (cu_seqlens, state indices, token_rows, checkpoint offsets, accepted counts) themselves; on
+    a bad value they write nothing and record the code here.  This
     synchronises the current stream: a debugging aid, not for hot paths.  CPU calls always give 0
     (the host checks every value before writing).
     """

@@ -654,24 +654,33 @@ TEST_F(DecodeValidation, TokenInputsAreCheckedLikePrefill) {
   expect_rejected(d, Status::Code::kNotImplemented, "q");
 }
 
-TEST_F(DecodeValidation, CudaTensorsAreNotImplementedYet) {
+TEST_F(DecodeValidation, CudaTensorsNeedAWorkspace) {
+  // CUDA tensors go to the sm90 decode kernel (no host check of the index values); without a usable
+  // GPU in this build / machine they are refused.  Either way nothing is launched here: the
+  // workspace is missing, and the pointers are host memory.
   for (bool spec : {true, false}) {
     DecodeParams d = spec ? valid_spec() : valid_plain();
+    idx[3] = 100;  // out of range: for CUDA tensors the kernel's job (kBadStateIndex)
     for (TensorRef* t : {&d.q, &d.k, &d.v, &d.g, &d.beta, &d.A_log, &d.dt_bias, &d.out, &d.state_pool,
                          &d.ssm_state_indices, &d.num_accepted_tokens}) {
       if (t->defined()) t->device = DeviceType::kCUDA;
     }
     const Status s = run_decode(d, nullptr, 0);
     if (built_with_cuda() && cuda_device_supported(0).ok()) {
-      EXPECT_EQ(s.code, Status::Code::kNotImplemented) << s.message;
+      EXPECT_TRUE(can_implement_decode(d).ok()) << can_implement_decode(d).message;
+      EXPECT_EQ(s.code, Status::Code::kInvalidArgument) << s.message;
       EXPECT_EQ(s.message,
-                "flashkda: the sm90 decode kernel is not implemented yet; use the CPU reference or fla's "
-                "fused_recurrent_kda");
+                "flashkda: argument 'workspace': expected at least 256 bytes of device memory "
+                "(workspace_size_decode), got 0 (null pointer)");
     } else {
       EXPECT_FALSE(s.ok());  // no usable GPU in this build / machine
+      EXPECT_NE(s.code, Status::Code::kNotImplemented) << s.message;
     }
+    idx[3] = 3;
     EXPECT_TRUE(untouched());
   }
+  DecodeParams d;
+  EXPECT_EQ(workspace_size_decode(d), 256u);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -878,7 +887,8 @@ TEST_F(CheckpointValidation, ShapesDtypesAndPairs) {
   expect_invalid(p, "checkpoint_state");
 }
 
-TEST_F(CheckpointValidation, CudaIsNotImplementedYet) {
+TEST_F(CheckpointValidation, CudaOffsetValuesAreLeftToTheKernel) {
+  c.offsets = {0, 5, 2, 6};  // 5 > length 4: on the host an error, on the device the kernel's job
   PrefillParams p = c.params();
   for (TensorRef* t : {&p.q, &p.k, &p.v, &p.g, &p.beta, &p.A_log, &p.dt_bias, &p.out, &p.initial_state,
                        &p.final_state, &p.cu_seqlens, &p.checkpoint_offsets, &p.checkpoint_state}) {
@@ -886,13 +896,13 @@ TEST_F(CheckpointValidation, CudaIsNotImplementedYet) {
   }
   const Status s = can_implement(p);
   if (built_with_cuda() && cuda_device_supported(0).ok()) {
-    EXPECT_EQ(s.code, Status::Code::kNotImplemented);
-    EXPECT_EQ(s.message, "flashkda: checkpoint states on CUDA are not implemented yet");
+    EXPECT_TRUE(s.ok()) << s.message;  // (kBadCheckpointOffset on the device; not run: host pointers)
   } else {
     EXPECT_FALSE(s.ok());
+    EXPECT_NE(s.code, Status::Code::kNotImplemented) << s.message;
+    char ws[512];
+    EXPECT_FALSE(run(p, ws, sizeof(ws)).ok());
   }
-  char ws[512];
-  EXPECT_FALSE(run(p, ws, sizeof(ws)).ok());
   EXPECT_TRUE(untouched());
 }
 

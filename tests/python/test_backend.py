@@ -1,9 +1,12 @@
-"""Backend selection of flashkda.chunk_kda: backend=, FLASHKDA_BACKEND, explain(), the generic selector.
+"""Backend selection of flashkda.chunk_kda and flashkda.decode: backend=, FLASHKDA_BACKEND, explain(),
+explain_decode(), the generic selector.
 
 CPU-only: these run everywhere.  On a CPU tensor auto must pick the C++ reference, a backend asked
 for by name must raise (never fall back) with the reason, and every error names why each backend
 was rejected.
 """
+
+import importlib
 
 import pytest
 import torch
@@ -287,3 +290,193 @@ def test_backend_argument_under_torch_compile():
     ref_out, ref_fs = R.prefill(*args, A_log=inp["A_log"], dt_bias=inp["dt_bias"], initial_state=inp["initial_state"],
                                 cu_seqlens=inp["cu_seqlens"])
     assert rel_err(o1, ref_out) < 1e-2 and rel_err(h1, ref_fs) < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# flashkda.decode: the same selector with kind="decode"
+
+FD = importlib.import_module("flashkda.decode")  # (the attribute flashkda.decode is the function)
+
+
+def _decode_call(spec=False, seed=60, lens=(1, 1, 1), P=6):
+    gen = torch.Generator().manual_seed(seed)
+    inp = make_inputs(list(lens), H=2, D=64, with_initial_state=False, generator=gen)
+    pool = 0.1 * torch.randn(P, 2, 64, 64, generator=gen)
+    if spec:
+        idx = torch.tensor([[0, 1], [2, 3], [-1, -1]][:len(lens)])
+        kw = dict(num_accepted_tokens=torch.tensor([2, 1, 1][:len(lens)]))
+    else:
+        idx = torch.tensor([4, -1, 1][:len(lens)])
+        kw = {}
+    args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, idx)
+    kw.update(cu_seqlens=inp["cu_seqlens"], A_log=inp["A_log"], dt_bias=inp["dt_bias"])
+    return inp, args, kw
+
+
+def test_decode_auto_picks_reference_for_cpu_tensors():
+    _, args, kw = _decode_call()
+    sel = flashkda.explain_decode(*args, **kw)
+    assert sel.kind == "decode" and sel.fn == "decode" and sel.backend == "reference"
+    assert set(sel.reasons) == {"cuda", "triton", "reference"}
+    assert "not on a CUDA device" in sel.reasons["cuda"] and "CUDA tensors" in sel.reasons["triton"]
+    pool0 = args[5].clone()
+    o_auto = flashkda.decode(*args, **kw)
+    pool_auto = args[5].clone()
+    args[5].copy_(pool0)
+    o_ref = flashkda.decode(*args, backend="reference", **kw)
+    assert torch.equal(o_auto, o_ref) and torch.equal(pool_auto, args[5])
+    assert "flashkda.decode (decode, cpu tensors), backend auto: 'reference'" in str(sel)
+
+
+def test_decode_backend_by_name_and_env(monkeypatch):
+    _, args, kw = _decode_call()
+    before = args[5].clone()
+    with pytest.raises(RuntimeError, match=r"flashkda.decode: backend 'cuda'.*on cpu, not on a CUDA device"):
+        flashkda.decode(*args, backend="cuda", **kw)
+    with pytest.raises(RuntimeError, match=r"backend 'triton'.*need CUDA tensors, got cpu"):
+        flashkda.decode(*args, backend="triton", **kw)
+    monkeypatch.setenv(FB.ENV_VAR, "cuda")
+    with pytest.raises(RuntimeError, match=r"backend 'cuda' \(asked for by environment variable FLASHKDA_BACKEND\)"):
+        flashkda.decode(*args, **kw)
+    assert torch.equal(args[5], before)  # nothing ran
+    flashkda.decode(*args, backend="reference", **kw)  # the argument wins
+    assert flashkda.explain_decode(*args, backend="reference", **kw).source == "argument"
+    monkeypatch.setenv(FB.ENV_VAR, "Reference")
+    assert flashkda.explain_decode(*args, **kw).backend == "reference"
+
+
+def test_decode_selection_reasons():
+    _, args, kw = _decode_call(spec=True, lens=(2, 1, 1))
+    sel = flashkda.explain_decode(*args, **kw)
+    assert "speculative decode (2-D ssm_state_indices)" in sel.reasons["triton"]
+    q = args[0].clone().requires_grad_(True)
+    with pytest.raises(NotImplementedError, match="flashkda: backward is not implemented"):
+        flashkda.decode(q, *args[1:], **kw)
+    q96 = torch.zeros(1, 3, 2, 96, dtype=BF16)
+    with pytest.raises(NotImplementedError, match=r"head dim K == V in \{64, 128\}, got K=96"):
+        flashkda.decode(q96, q96, q96, q96, args[4], args[5], args[6], **kw)
+
+
+def _fake_fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
+                              output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                              use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
+                              state_v_first=False, cu_seqlens=None, **kwargs):
+    """fla's fused_recurrent_kda semantics (V-first states), computed by the float64 reference."""
+    assert state_v_first and output_final_state and not kwargs
+    H, K = q.shape[2], q.shape[3]
+    if not use_gate_in_kernel:
+        gate_mode = "precomputed"
+    else:
+        gate_mode = "bounded" if lower_bound is not None else "softplus"
+    o, ht = R.prefill(q, k, v, g, beta, scale=scale, gate_mode=gate_mode, A_log=A_log,
+                      dt_bias=None if dt_bias is None else dt_bias.reshape(H, K),
+                      lower_bound=-5.0 if lower_bound is None else lower_bound,
+                      use_qk_l2norm=use_qk_l2norm_in_kernel, use_beta_sigmoid=use_beta_sigmoid_in_kernel,
+                      initial_state=initial_state, cu_seqlens=cu_seqlens)
+    return o.to(v.dtype), ht.float()
+
+
+@pytest.mark.parametrize("case", ["varlen_token_rows", "fixed_bf16_pool", "softplus"])
+def test_decode_triton_path(monkeypatch, case):
+    """The triton backend's plumbing (gather, per-request states, padding, write-back), on CPU tensors with
+    a fake fla function: it must give what the op gives."""
+    gen = torch.Generator().manual_seed(61)
+    H_, D_ = 2, 64
+    gate_mode = "softplus" if case == "softplus" else "bounded"
+    if case == "fixed_bf16_pool":
+        inp = make_inputs(None, B=3, T=2, H=H_, D=D_, with_initial_state=False, generator=gen)
+        token_rows, out_shape = None, (3, 2, H_, D_)
+        pool = (0.1 * torch.randn(6, H_, D_, D_, generator=gen)).to(BF16)
+    else:
+        inp = make_inputs([2, 0, 1], H=H_, D=D_, with_initial_state=False, gate_mode=gate_mode, generator=gen)
+        token_rows = torch.tensor([5, 0, 3])  # rows of an R = 6 step
+        pool = 0.1 * torch.randn(6, H_, D_, D_, generator=gen)
+        for name in ("q", "k", "v", "g", "beta"):
+            x = inp[name]
+            big = torch.randn((1, 6) + tuple(x.shape[2:]), generator=gen).to(x.dtype)
+            big[:, token_rows] = x
+            inp[name] = big
+        out_shape = (1, 6, H_, D_)
+    idx = torch.tensor([4, -1, 1])
+    args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"])
+    kw = dict(cu_seqlens=inp["cu_seqlens"], A_log=inp["A_log"], dt_bias=inp["dt_bias"], gate_mode=gate_mode,
+              token_rows=token_rows)
+
+    def fake_select(kind, q, k, v, *, backend=None, fn=None, tensors=None, unsupported=(), triton_unsupported=(),
+                    evaluate_all=False):
+        assert kind == "decode" and not triton_unsupported
+        return FB.Selection(kind=kind, fn=fn, backend="triton", requested="triton", source="argument",
+                            device=q.device.type, reasons={"triton": None})
+
+    monkeypatch.setattr(FD, "select_backend", fake_select)
+    monkeypatch.setattr(FD, "fla_function", lambda kind: _fake_fused_recurrent_kda)
+    p1, p2 = pool.clone(), pool.clone()
+    o1 = torch.full(out_shape, 7.0, dtype=BF16)
+    o2 = o1.clone()
+    flashkda.decode(*args, p1, idx, o1, backend="triton", **kw)
+    monkeypatch.undo()
+    flashkda.decode(*args, p2, idx, o2, backend="reference", **kw)
+    assert rel_err(o1, o2.double()) < 1e-2 and torch.equal(o1 == 7.0, o2 == 7.0)
+    assert rel_err(p1, p2.double()) < (1e-2 if pool.dtype == BF16 else 1e-5)
+    assert torch.equal(p1[[0, 2, 3, 5]], pool[[0, 2, 3, 5]])  # rows no live request uses
+
+
+def test_decode_torch_reference_path_matches_the_op():
+    """The mapping the CUDA 'reference' backend (float64 PyTorch reference) uses, checked on CPU tensors."""
+    _, args, kw = _decode_call(spec=True, lens=(2, 0, 1), P=5)
+    q, k, v, g, beta, pool, idx = args
+    Rn = 7
+    rows = torch.tensor([6, 1, 2])
+    big = []
+    for x in (q, k, v, g, beta):
+        b = torch.zeros((1, Rn) + tuple(x.shape[2:]), dtype=x.dtype)
+        b[:, rows] = x
+        big.append(b)
+    p1, p2 = pool.clone(), pool.clone()
+    o1 = torch.full((1, Rn, 2, 64), 7.0, dtype=BF16)
+    o2 = o1.clone()
+    opts = dict(num_accepted_tokens=kw["num_accepted_tokens"], cu_seqlens=kw["cu_seqlens"], scale=None,
+                gate_mode="bounded", A_log=kw["A_log"], dt_bias=kw["dt_bias"], lower_bound=-5.0, use_qk_l2norm=True,
+                use_beta_sigmoid=True, token_rows=rows)
+    FD._torch_reference_decode(*big, p1, idx, o1, **opts)
+    flashkda.decode(*big, p2, idx, o2, backend="reference", **{k_: v_ for k_, v_ in opts.items() if k_ != "scale"})
+    assert rel_err(o1, o2.double()) < 1e-2 and torch.equal(o1 == 7.0, o2 == 7.0)
+    assert rel_err(p1, p2.double()) < 1e-5
+
+
+@pytest.mark.parametrize("old", [False, True])
+def test_fla_decode_signature_check(tmp_path, monkeypatch, old):
+    """An fla whose fused_recurrent_kda lacks the gate / layout arguments (it would swallow them in **kwargs
+    and compute something else) is rejected with the reason."""
+    import sys
+
+    kda = tmp_path / "fla" / "ops" / "kda"
+    kda.mkdir(parents=True)
+    (tmp_path / "fla" / "__init__.py").write_text("")
+    (tmp_path / "fla" / "ops" / "__init__.py").write_text("")
+    if old:
+        body = ("def fused_recurrent_kda(q, k, v, g, beta=None, scale=None, initial_state=None, "
+                "output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):\n    pass\n")
+    else:
+        body = ("def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None, "
+                "output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, "
+                "use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None, state_v_first=False, "
+                "cu_seqlens=None, **kwargs):\n    return 'fla'\n")
+    (kda / "__init__.py").write_text(body + "def chunk_kda(*a, **k):\n    return 'fla'\n")
+    for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    FB._reset_caches()
+    try:
+        why = FB._fla_problem("decode", True)
+        if old:
+            assert "has no argument(s) ['A_log', 'dt_bias', 'use_gate_in_kernel'" in why and "upgrade fla" in why
+            with pytest.raises(RuntimeError, match="backend 'triton'.*has no argument"):
+                FB.fla_function("decode")
+        else:
+            assert why == "" and FB.fla_function("decode")(1, 2, 3, 4, 5) == "fla"
+        assert FB._fla_problem("prefill", True) == ""  # chunk_kda is passed through: no signature demands
+    finally:
+        for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
+            del sys.modules[name]
+        FB._reset_caches()

@@ -20,7 +20,7 @@ DECODE_SCHEMA = (
     "flashkda::decode(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) out, Tensor(b!) state_pool, "
     "Tensor ssm_state_indices, *, Tensor? num_accepted_tokens=None, Tensor? cu_seqlens=None, float scale=0.0, "
     "str gate_mode=\"bounded\", Tensor? A_log=None, Tensor? dt_bias=None, float lower_bound=-5.0, "
-    "bool use_qk_l2norm=True, bool use_beta_sigmoid=True) -> ()"
+    "bool use_qk_l2norm=True, bool use_beta_sigmoid=True, Tensor(c!)? workspace=None, Tensor? token_rows=None) -> ()"
 )
 
 _GATE_KEYS = ("gate_mode", "A_log", "dt_bias", "lower_bound", "use_qk_l2norm", "use_beta_sigmoid")
@@ -79,6 +79,11 @@ def check_decode(inp, pool, idx, acc=None):
 
 def test_decode_schema():
     assert torch.ops.flashkda.decode.default._schema == torch._C.parse_schema(DECODE_SCHEMA)
+    assert str(torch.ops.flashkda.decode.default._schema) == str(torch._C.parse_schema(DECODE_SCHEMA))
+    assert str(torch.ops.flashkda.get_decode_workspace_size.default._schema) == (
+        "flashkda::get_decode_workspace_size() -> int")
+    assert torch.ops.flashkda.get_decode_workspace_size() == flashkda.get_decode_workspace_size() == 256
+    assert flashkda.new_decode_workspace(torch.empty(1, 1, 2, 64)) is None  # CPU needs none
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,13 +205,21 @@ def test_opcheck_decode():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_decode_on_cuda_is_not_implemented_yet():
+def test_decode_op_on_cuda_needs_a_workspace():
     gen = torch.Generator().manual_seed(34)
     inp = tokens(gen, N=2, T=1, device="cuda")
     pool = torch.full((3, H, D, D), SENTINEL, device="cuda")
     out = torch.full(inp["v"].shape, SENTINEL, dtype=BF16, device="cuda")
-    with pytest.raises((NotImplementedError, RuntimeError)):
-        op_decode(inp, pool, torch.tensor([0, 2], device="cuda"), out=out)
+    args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], out, pool, torch.tensor([0, 2], device="cuda"))
+    # ValueError naming the workspace on an sm_90 CUDA build; RuntimeError (unsupported device) elsewhere
+    with pytest.raises((ValueError, RuntimeError)) as info:
+        torch.ops.flashkda.decode(*args, A_log=inp["A_log"], dt_bias=inp["dt_bias"])
+    if isinstance(info.value, ValueError):
+        assert "flashkda: argument 'workspace': expected a uint8 tensor on cuda" in str(info.value)
+    small = torch.empty(8, dtype=torch.uint8, device="cuda")
+    with pytest.raises((ValueError, RuntimeError)):
+        torch.ops.flashkda.decode(*args, A_log=inp["A_log"], dt_bias=inp["dt_bias"], workspace=small)
+    torch.cuda.synchronize()
     assert torch.all(out == SENTINEL) and torch.all(pool == SENTINEL)
 
 

@@ -17,7 +17,7 @@ PREFILL_SCHEMA = (
     "float lower_bound=-5.0, bool use_qk_l2norm=True, bool use_beta_sigmoid=True, "
     "Tensor? initial_state=None, Tensor(b!)? final_state=None, Tensor? cu_seqlens=None, "
     "Tensor? state_indices=None, Tensor? has_initial_state=None, Tensor? checkpoint_offsets=None, "
-    "Tensor(d!)? checkpoint_state=None) -> ()"
+    "Tensor(d!)? checkpoint_state=None, Tensor? token_rows=None) -> ()"
 )
 WS_SCHEMA = "flashkda::get_workspace_size(int T_total, int H, int N=1) -> int"
 

@@ -1,0 +1,247 @@
+// decode: the recurrent KDA path on a state pool (spec section 4): plain decode (1-D
+// ssm_state_indices, the state read from and written back to pool[idx[n]]) and speculative decode
+// (2-D indices: read pool[idx[n, acc[n] - 1]], write the state after token t to pool[idx[n, t]]).
+//
+// Grid: (N requests x V / kRowsPerBlock row slices, H).  Block: 4 warps, no specialisation; each
+// thread owns 16 columns of one state row in registers (kda_token_recurrence.cuh), so the state is
+// read once from the pool, stays on chip across all of the request's tokens, and is written once per
+// write slot: the only state traffic is the unavoidable one.  Shared memory: one preprocessed token
+// per warp (3 x D fp32; 6 KB for D = 128).  No block barrier inside the token loop.
+//
+// Memory-bound by design: per request and head the state is D x D x 4 bytes (64 KB for D = 128)
+// against ~1 KB of q/k/v/g per token, so the kernel must keep enough state bytes in flight: all 16
+// columns of a thread are loaded with four 16-byte loads issued back to back, before the index
+// checks below, and V is split over D / kRowsPerBlock blocks (8 for D = 128) so that even one request
+// of 16 heads spreads over 128 blocks.
+//
+// Device-side validation (the host cannot read CUDA index values without a sync): every block of a
+// request checks the request's cu_seqlens pair, num_accepted_tokens, all its index entries (< P),
+// its token_rows, and that none of its write slots is read or written by another request (O(N S^2)
+// loads from L1 per block).  A request that fails any check reads nothing, writes nothing (neither
+// out nor pool) and records its DeviceError code in the workspace error word; other requests run.
+// The word is only ever set here, never cleared (prefill clears it at its start;
+// clear_device_error() clears it).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+#include <type_traits>
+
+#include "flashkda/flashkda.h"
+#include "sm90/kda_token_recurrence.cuh"
+
+namespace flashkda {
+namespace sm90 {
+
+struct DecodeArgs {
+  const bf16* q;
+  const bf16* k;
+  const bf16* v;
+  const void* g;
+  const void* beta;
+  bf16* out;
+  int64_t q_sb, q_st, k_sb, k_st, v_sb, v_st, g_sb, g_st, beta_sb, beta_st, out_sb, out_st;
+  int g_fp32, beta_fp32;
+  int vec_q, vec_k, vec_g;  // rows 16-byte aligned: vector loads allowed
+  const float* A_log;       // [H] (null for the precomputed gate)
+  const float* dt_bias;     // [H * K]
+  void* pool;               // [P, H, V, K] fp32 / bf16
+  int64_t pool_rows;        // P
+  const void* idx;          // [N] or [N, S]
+  int idx_int64;
+  int64_t slots;  // S (1 for 1-D)
+  int spec;       // 2-D indices
+  const void* num_accepted;
+  int acc_int64;
+  const void* cu_seqlens;  // [N + 1] or null
+  int cu_int64;
+  const void* token_rows;  // [T] or null
+  int rows_int64;
+  int64_t num_rows;  // dim 1 of the token tensors
+  int64_t T;         // tokens per batch row (fixed) or logical tokens (varlen)
+  int H, N;
+  int gate_mode, l2norm, beta_sigmoid;
+  float scale, lower_bound;
+  int* error_word;
+};
+
+// Request n's tokens; false when its cu_seqlens pair is invalid (the span is then empty).
+__device__ inline bool decode_span(const DecodeArgs& a, int64_t n, int64_t* batch, int64_t* bos, int64_t* len) {
+  if (a.cu_seqlens == nullptr) {
+    *batch = n, *bos = 0, *len = a.T;
+    return true;
+  }
+  const int64_t b0 = load_index(a.cu_seqlens, a.cu_int64, n);
+  const int64_t e0 = load_index(a.cu_seqlens, a.cu_int64, n + 1);
+  const bool ok = b0 >= 0 && e0 >= b0 && e0 <= a.T && (n != 0 || b0 == 0) && (n != a.N - 1 || e0 == a.T);
+  *batch = 0, *bos = ok ? b0 : 0, *len = ok ? e0 - b0 : 0;
+  return ok;
+}
+
+__device__ inline int64_t slot_at(const DecodeArgs& a, int64_t n, int64_t col) {
+  return load_index(a.idx, a.idx_int64, n * a.slots + col);
+}
+
+// The read slot of request n (negative: padded); returns 0 or the DeviceError code.  Checks what
+// the read slot depends on: num_accepted in [1, S], the slot < P, and (spec) len <= S.
+__device__ inline int decode_read_slot(const DecodeArgs& a, int64_t n, int64_t len, int64_t* read) {
+  int64_t col = 0;
+  if (a.spec) {
+    const int64_t acc = load_index(a.num_accepted, a.acc_int64, n);
+    if (acc < 1 || acc > a.slots) return static_cast<int>(DeviceError::kBadAcceptedCount);
+    col = acc - 1;
+  }
+  *read = slot_at(a, n, col);
+  if (*read >= a.pool_rows) return static_cast<int>(DeviceError::kBadStateIndex);
+  if (a.spec && *read >= 0 && len > a.slots) return static_cast<int>(DeviceError::kBadStateIndex);
+  return 0;
+}
+
+// True when request m (!= n, valid, not padded) reads or writes a row that n writes, or writes a
+// row that n reads.
+__device__ inline bool decode_conflicts(const DecodeArgs& a, int64_t n, int64_t len, int64_t read, int64_t m) {
+  int64_t bm, bosm, lenm, readm = -1;
+  if (!decode_span(a, m, &bm, &bosm, &lenm)) return false;  // m is skipped (and flagged) itself
+  if (decode_read_slot(a, m, lenm, &readm) != 0 || readm < 0) return false;
+  if (!a.spec) return readm == read;  // 1-D: each request reads and writes its own row
+  for (int64_t t = 0; t < len; ++t) {
+    const int64_t w = slot_at(a, n, t);
+    if (w >= 0 && w == readm) return true;
+  }
+  for (int64_t u = 0; u < lenm; ++u) {
+    const int64_t wm = slot_at(a, m, u);
+    if (wm < 0) continue;
+    if (wm == read) return true;
+    for (int64_t t = 0; t < len; ++t) {
+      if (slot_at(a, n, t) == wm) return true;
+    }
+  }
+  return false;
+}
+
+template <int D, bool kF32>
+__global__ void __launch_bounds__(kTokenWarps * 32) decode_kernel(const DecodeArgs a) {
+  using TL = TokenLayout<D>;
+  using StateT = typename std::conditional<kF32, float, bf16>::type;
+  constexpr int PC = TL::kColsPerLane;
+  constexpr int kSlices = D / TL::kRowsPerBlock;
+  __shared__ __align__(16) TokenBuf<D> sbuf[kTokenWarps];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t n = blockIdx.x / kSlices;
+  const int h = blockIdx.y;
+  const int vrow = static_cast<int>(blockIdx.x % kSlices) * TL::kRowsPerBlock + warp * TL::kRowsPerWarp +
+                   lane / TL::kLanesPerRow;
+  const int j = lane % TL::kLanesPerRow;
+
+  // ---- 1. the request's own checks (one round of parallel loads)
+  int64_t batch, bos, len, read = -1;
+  int err = decode_span(a, n, &batch, &bos, &len) ? 0 : static_cast<int>(DeviceError::kBadCuSeqlens);
+  // The first token's inputs and the gate parameters depend on the span only: issue them now so
+  // that their latency overlaps the index loads below (mapped_row clamps, so this stays in bounds
+  // even before token_rows is checked).
+  const bool gated = a.gate_mode != kGatePrecomputed;
+  const float expA = gated ? expf(a.A_log[h]) : 0.f;
+  float dtb[PC];
+#pragma unroll
+  for (int i = 0; i < PC; ++i) dtb[i] = gated ? a.dt_bias[h * D + lane * PC + i] : 0.f;
+  TokenRaw<D> raw;
+  int64_t row = 0;
+  if (len > 0) {
+    row = mapped_row(a, bos);
+    load_token<D>(a, batch, row, h, vrow, lane, raw);
+  }
+  if (err == 0) err = decode_read_slot(a, n, len, &read);
+  if (err == 0) {
+    for (int64_t e = tid; e < a.slots; e += blockDim.x) {
+      if (slot_at(a, n, e) >= a.pool_rows) err = static_cast<int>(DeviceError::kBadStateIndex);
+    }
+    if (a.token_rows != nullptr) {
+      for (int64_t t = tid; t < len; t += blockDim.x) {
+        const int64_t r = load_index(a.token_rows, a.rows_int64, bos + t);
+        if (r < 0 || r >= a.num_rows) err = static_cast<int>(DeviceError::kBadTokenRow);
+      }
+    }
+  }
+  if (__syncthreads_or(err != 0)) {
+    if (err != 0) atomicExch(a.error_word, err);
+    return;
+  }
+
+  const int64_t out_col = static_cast<int64_t>(h) * D + vrow;
+  if (read < 0) {  // padded request: zero its outputs, touch no state
+    if (j == 0) {
+      for (int64_t t = 0; t < len; ++t) {
+        a.out[batch * a.out_sb + mapped_row(a, bos + t) * a.out_st + out_col] = __float2bfloat16_rn(0.f);
+      }
+    }
+    return;
+  }
+
+  // ---- 2. the state (in flight while the conflict check runs)
+  float s[16];
+  StateT* pool = static_cast<StateT*>(a.pool);
+  const int64_t head_rows = static_cast<int64_t>(a.H) * D;  // state rows per pool row
+  load_state_row<D, kF32>(pool + ((read * head_rows) + out_col) * D, j, s);
+
+  // ---- 3. no other request may touch a row this one writes (or write the row it reads)
+  int conflict = 0;
+  if (a.spec) {
+    for (int64_t e = tid; e < len * len; e += blockDim.x) {
+      const int64_t t1 = e / len, t2 = e % len;
+      if (t1 < t2) {
+        const int64_t w1 = slot_at(a, n, t1);
+        if (w1 >= 0 && w1 == slot_at(a, n, t2)) conflict = 1;
+      }
+    }
+  }
+  for (int64_t m = tid; m < a.N; m += blockDim.x) {
+    if (m != n && decode_conflicts(a, n, len, read, m)) conflict = 1;
+  }
+  if (__syncthreads_or(conflict)) {
+    if (tid == 0) atomicExch(a.error_word, static_cast<int>(DeviceError::kStateSlotConflict));
+    return;
+  }
+
+  // ---- 4. the tokens: the state stays in registers; out and (spec) a write slot per token
+  TokenBuf<D>& buf = sbuf[warp];
+  for (int64_t t = 0; t < len; ++t) {
+    const TokenRaw<D> cur = raw;
+    const int64_t cur_row = row;
+    const int64_t w = a.spec ? slot_at(a, n, t) : -1;
+    if (t + 1 < len) {  // next token's loads overlap this token's math
+      row = mapped_row(a, bos + t + 1);
+      load_token<D>(a, batch, row, h, vrow, lane, raw);
+    }
+    __syncwarp();  // the previous token's buffer reads are done
+    const float b = preprocess_token<D>(a, cur, expA, dtb, buf, lane);
+    __syncwarp();
+    const float o = advance_row<D>(s, buf, j, b, cur.v);
+    if (j == 0) a.out[batch * a.out_sb + cur_row * a.out_st + out_col] = __float2bfloat16_rn(o);
+    if (w >= 0) store_state_row<D, kF32>(pool + (w * head_rows + out_col) * D, j, s);
+  }
+  if (!a.spec && len > 0) store_state_row<D, kF32>(pool + (read * head_rows + out_col) * D, j, s);
+}
+
+template <int D, bool kF32>
+Status launch_decode(const DecodeArgs& a, cudaStream_t stream) {
+  using TL = TokenLayout<D>;
+  if (a.N <= 0 || a.H <= 0) return Status::ok_status();
+  const int64_t blocks = static_cast<int64_t>(a.N) * (D / TL::kRowsPerBlock);
+  if (blocks > 0x7fffffff || a.H > 65535) {
+    return Status::invalid("flashkda: argument 'q': expected at most 65535 heads and 2^31 decode blocks, got more");
+  }
+  dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(a.H));
+  decode_kernel<D, kF32><<<grid, kTokenWarps * 32, 0, stream>>>(a);
+  const cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) return Status::ok_status();
+  return Status::cuda_error(std::string("flashkda: decode launch: ") + cudaGetErrorString(e));
+}
+
+// Explicit instantiations live in kda_decode_sm90_d{64,128}.cu (fp32 and bf16 pools each).
+Status launch_decode_d64(const DecodeArgs& a, bool state_f32, cudaStream_t stream);
+Status launch_decode_d128(const DecodeArgs& a, bool state_f32, cudaStream_t stream);
+
+}  // namespace sm90
+}  // namespace flashkda

@@ -1,0 +1,10 @@
+// Instantiation of the sm90 decode kernel for K = V = 64, fp32 and bf16 state pools.
+#include "sm90/kda_decode_sm90.cuh"
+
+namespace flashkda {
+namespace sm90 {
+Status launch_decode_d64(const DecodeArgs& a, bool state_f32, cudaStream_t stream) {
+  return state_f32 ? launch_decode<64, true>(a, stream) : launch_decode<64, false>(a, stream);
+}
+}  // namespace sm90
+}  // namespace flashkda

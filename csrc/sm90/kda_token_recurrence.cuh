@@ -1,0 +1,202 @@
+// Token-by-token KDA recurrence (spec section 2) on state rows held in registers.  Shared by the
+// decode / speculative-decode kernel (kda_decode_sm90.cuh) and the prefill's checkpoint_advance
+// kernel (kda_checkpoint_advance.cuh).
+//
+// Why row-parallel: every row v of S (V x K) evolves on its own,
+//   s_v <- s_v * exp(a);  u_v = b (v_v - s_v . k);  s_v <- s_v + u_v k;  o_v = s_v . (scale q),
+// so a state can be split over any number of threads and blocks with no exchange, and a decode step
+// is a pure stream of the state through registers (read once, written once per write slot).
+//
+// Thread layout: one row of D fp32 is split over LPR = D / 16 adjacent lanes, 16 columns each; lane
+// j of a row group holds columns 4 j + 4 LPR i + c (i, c < 4), so each of the four float4 loads of a
+// row group reads one contiguous segment of 4 LPR floats of the row (coalesced).  A warp
+// holds 32 / LPR rows, a block of kTokenWarps warps kRowsPerBlock rows (16 for D = 128, 32 for 64).
+// Per token each warp preprocesses q, k, gate (D / 32 columns per lane; l2 norms by warp shuffles)
+// into its own shared buffer (no block barrier), then each row group reads its 16 columns back.
+#pragma once
+
+#include "sm90/kda_common.cuh"
+
+namespace flashkda {
+namespace sm90 {
+
+constexpr int kTokenWarps = 4;
+
+template <int D>
+struct TokenLayout {
+  static_assert(D == 64 || D == 128, "head dim");
+  static constexpr int kLanesPerRow = D / 16;
+  static constexpr int kRowsPerWarp = 32 / kLanesPerRow;
+  static constexpr int kRowsPerBlock = kTokenWarps * kRowsPerWarp;
+  static constexpr int kColsPerLane = D / 32;  // preprocessing split
+};
+
+// Per-warp shared buffer of one preprocessed token.
+template <int D>
+struct TokenBuf {
+  float q[D];      // scale * l2norm(q)
+  float k[D];      // l2norm(k)
+  float decay[D];  // exp(a)
+};
+
+// The state columns a lane owns: 4 j + 4 LPR i + c.
+template <int D>
+__device__ inline int token_col(int j, int i) {
+  return 4 * j + 4 * TokenLayout<D>::kLanesPerRow * i;
+}
+
+template <int PC>
+__device__ inline void load_bf16_run(const bf16* p, bool vec, float (&x)[PC]) {
+  static_assert(PC == 2 || PC == 4, "columns per lane");
+  if (vec) {
+    if constexpr (PC == 4) {
+      const uint2 u = *reinterpret_cast<const uint2*>(p);
+      const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+      const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+      x[0] = a.x, x[1] = a.y, x[2] = b.x, x[3] = b.y;
+    } else {
+      const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
+      x[0] = a.x, x[1] = a.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < PC; ++i) x[i] = __bfloat162float(p[i]);
+  }
+}
+
+// Raw inputs of one token for one warp: D / 32 columns of q, k, g per lane, beta and the lane's
+// state-row value of v.  Issued together so their latencies overlap.
+template <int D>
+struct TokenRaw {
+  float q[D / 32], k[D / 32], g[D / 32];
+  float beta;
+  float v;
+};
+
+template <int D, class A>
+__device__ inline void load_token(const A& a, int64_t batch, int64_t row, int h, int vrow, int lane,
+                                  TokenRaw<D>& t) {
+  constexpr int PC = D / 32;
+  const int c0 = lane * PC;
+  load_bf16_run<PC>(a.q + batch * a.q_sb + row * a.q_st + h * D + c0, a.vec_q, t.q);
+  load_bf16_run<PC>(a.k + batch * a.k_sb + row * a.k_st + h * D + c0, a.vec_k, t.k);
+  const int64_t go = batch * a.g_sb + row * a.g_st + h * D + c0;
+  if (a.g_fp32) {
+#pragma unroll
+    for (int i = 0; i < PC; ++i) t.g[i] = static_cast<const float*>(a.g)[go + i];
+  } else {
+    load_bf16_run<PC>(static_cast<const bf16*>(a.g) + go, a.vec_g, t.g);
+  }
+  t.beta = load_scalar(a.beta, a.beta_fp32, batch * a.beta_sb + row * a.beta_st + h);
+  t.v = __bfloat162float(a.v[batch * a.v_sb + row * a.v_st + h * D + vrow]);
+}
+
+// Preprocesses a loaded token into the warp's buffer (spec section 2) and returns b.  The caller
+// __syncwarp()s between this and reading the buffer, and before the next call overwrites it.
+template <int D, class A>
+__device__ inline float preprocess_token(const A& a, const TokenRaw<D>& t, float expA_h,
+                                         const float (&dtb)[D / 32], TokenBuf<D>& buf, int lane) {
+  constexpr int PC = D / 32;
+  float q[PC], k[PC], d[PC];
+  float sq = 0.f, sk = 0.f;
+#pragma unroll
+  for (int i = 0; i < PC; ++i) {
+    q[i] = t.q[i];
+    k[i] = t.k[i];
+    sq += q[i] * q[i];
+    sk += k[i] * k[i];
+    d[i] = fast_exp2(gate_log_decay(a.gate_mode, t.g[i], expA_h, dtb[i], a.lower_bound) * kLog2e);
+  }
+  float qs = a.scale, ks = 1.f;
+  if (a.l2norm) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      sq += __shfl_xor_sync(0xffffffffu, sq, o);
+      sk += __shfl_xor_sync(0xffffffffu, sk, o);
+    }
+    qs *= rsqrtf(sq + 1e-6f);  // x / sqrt(sum x^2 + 1e-6), as the prefill
+    ks = rsqrtf(sk + 1e-6f);
+  }
+  const int c0 = lane * PC;
+#pragma unroll
+  for (int i = 0; i < PC; ++i) {
+    buf.q[c0 + i] = q[i] * qs;
+    buf.k[c0 + i] = k[i] * ks;
+    buf.decay[c0 + i] = d[i];
+  }
+  return a.beta_sigmoid ? sigmoidf_(t.beta) : t.beta;
+}
+
+// One token on the lane's 16 state columns of row v; returns o_v (complete in every lane of the row
+// group).  The row group's lanes are adjacent, so the dot products reduce with xor shuffles < LPR.
+template <int D>
+__device__ inline float advance_row(float (&s)[16], const TokenBuf<D>& buf, int j, float b, float v) {
+  constexpr int LPR = TokenLayout<D>::kLanesPerRow;
+  float4 q4[4], k4[4];
+  float pred = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int col = token_col<D>(j, i);
+    const float4 d4 = *reinterpret_cast<const float4*>(&buf.decay[col]);
+    k4[i] = *reinterpret_cast<const float4*>(&buf.k[col]);
+    q4[i] = *reinterpret_cast<const float4*>(&buf.q[col]);
+    s[4 * i + 0] *= d4.x;
+    s[4 * i + 1] *= d4.y;
+    s[4 * i + 2] *= d4.z;
+    s[4 * i + 3] *= d4.w;
+    pred += s[4 * i] * k4[i].x + s[4 * i + 1] * k4[i].y + s[4 * i + 2] * k4[i].z + s[4 * i + 3] * k4[i].w;
+  }
+#pragma unroll
+  for (int o = LPR / 2; o > 0; o >>= 1) pred += __shfl_xor_sync(0xffffffffu, pred, o);
+  const float u = b * (v - pred);
+  float out = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    s[4 * i + 0] += u * k4[i].x;
+    s[4 * i + 1] += u * k4[i].y;
+    s[4 * i + 2] += u * k4[i].z;
+    s[4 * i + 3] += u * k4[i].w;
+    out += s[4 * i] * q4[i].x + s[4 * i + 1] * q4[i].y + s[4 * i + 2] * q4[i].z + s[4 * i + 3] * q4[i].w;
+  }
+#pragma unroll
+  for (int o = LPR / 2; o > 0; o >>= 1) out += __shfl_xor_sync(0xffffffffu, out, o);
+  return out;
+}
+
+// State row I/O: 16 columns of one row, fp32 (four float4) or bf16 (four 8-byte pieces).
+template <int D, bool kF32>
+__device__ inline void load_state_row(const void* row, int j, float (&s)[16]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int col = token_col<D>(j, i);
+    if constexpr (kF32) {
+      const float4 x = *reinterpret_cast<const float4*>(static_cast<const float*>(row) + col);
+      s[4 * i] = x.x, s[4 * i + 1] = x.y, s[4 * i + 2] = x.z, s[4 * i + 3] = x.w;
+    } else {
+      const uint2 u = *reinterpret_cast<const uint2*>(static_cast<const bf16*>(row) + col);
+      const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+      const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+      s[4 * i] = a.x, s[4 * i + 1] = a.y, s[4 * i + 2] = b.x, s[4 * i + 3] = b.y;
+    }
+  }
+}
+
+template <int D, bool kF32>
+__device__ inline void store_state_row(void* row, int j, const float (&s)[16]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int col = token_col<D>(j, i);
+    if constexpr (kF32) {
+      *reinterpret_cast<float4*>(static_cast<float*>(row) + col) =
+          make_float4(s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]);
+    } else {
+      uint2 u;
+      u.x = pack_bf16(s[4 * i], s[4 * i + 1]);
+      u.y = pack_bf16(s[4 * i + 2], s[4 * i + 3]);
+      *reinterpret_cast<uint2*>(static_cast<bf16*>(row) + col) = u;
+    }
+  }
+}
+
+}  // namespace sm90
+}  // namespace flashkda

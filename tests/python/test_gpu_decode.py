@@ -1,0 +1,737 @@
+"""flashkda.decode on CUDA (the sm90 decode kernel) against the float64 reference (kda_spec.md
+sections 4 and 6): plain decode, speculative decode with acceptance / padding / rollback slots,
+varlen, token_rows, determinism, CUDA graphs, device-side index errors, and a serving simulation
+that interleaves CUDA prefill continuations, decode and spec decode on one pool.
+
+Skipped unless a CUDA GPU of compute capability 9.0 is present.  Inputs are fresh random values each
+run (the seed is in every failure message); outputs are poisoned with NaN first, so every element
+that must be written is written and finite, and every pool row that must not be touched is compared
+bitwise with its value before the call.
+"""
+
+import inspect
+import os
+import random
+
+import pytest
+import torch
+
+import flashkda
+from flashkda import reference as R
+from kda_helpers import BF16, make_inputs, rel_err, strided_copy
+from test_decode_cpu import Request  # the simulation's per-request token streams
+
+
+def _sm90():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not _sm90(), reason="needs a CUDA GPU of compute capability 9.0 (sm_90a kernels)")]
+
+DEV = "cuda"
+FP32, NAN = torch.float32, float("nan")
+SPEC_OUT, SPEC_STATE = 4e-3, 3e-3  # required: bounded gate, fp32 pool
+LOOSE_OUT, LOOSE_STATE = 1e-2, 1e-2  # other gate modes, bf16 pool (one bf16 rounding of the state)
+GATE_KEYS = ("gate_mode", "A_log", "dt_bias", "lower_bound", "use_qk_l2norm", "use_beta_sigmoid")
+# Device-side error codes (flashkda::DeviceError, flashkda.DEVICE_ERRORS)
+ERR_STATE_INDEX, ERR_TOKEN_ROW, ERR_ACCEPTED, ERR_SLOT_CONFLICT = 2, 3, 5, 6
+# The wrapper selects a backend; these tests are about the sm90 kernel, so ask for it by name
+# (never fla's fallback or the float64 reference, whatever FLASHKDA_BACKEND says).
+CUDA_BACKEND = {"backend": "cuda"} if "backend" in inspect.signature(flashkda.decode).parameters else {}
+
+
+@pytest.fixture
+def gen():
+    """A CPU generator with a fresh seed (failures report it as ``seed <n>``)."""
+    return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF)
+
+
+def seed_of(g):
+    return g.initial_seed()
+
+
+def tols(inp, pool):
+    spec = inp["gate_mode"] == "bounded" and pool.dtype == FP32
+    return (SPEC_OUT, SPEC_STATE) if spec else (LOOSE_OUT, LOOSE_STATE)
+
+
+def tokens(gen, N=1, T=1, lens=None, H=4, D=128, **kw):
+    """Random token inputs on the GPU: fixed [N, T] or varlen (lens)."""
+    return make_inputs(lens, B=N, T=T, H=H, D=D, device=DEV, with_initial_state=False, generator=gen, **kw)
+
+
+def new_pool(gen, P, H, D, dtype=FP32):
+    cg = torch.Generator(device=DEV).manual_seed(int(torch.randint(1 << 31, (1,), generator=gen)))
+    return (0.1 * torch.randn(P, H, D, D, device=DEV, generator=cg)).to(dtype)
+
+
+def perm(gen, P):
+    return torch.randperm(P, generator=gen)
+
+
+def workspace():
+    return torch.empty(int(torch.ops.flashkda.get_decode_workspace_size()), dtype=torch.uint8, device=DEV)
+
+
+def gate_kwargs(inp):
+    return {key: inp[key] for key in GATE_KEYS}
+
+
+def run_decode(inp, pool, idx, acc=None, out=None, ws=None, token_rows=None, cu_seqlens="inp"):
+    """flashkda.decode on poisoned (NaN) out unless given; returns out."""
+    if out is None:
+        out = torch.full(inp["v"].shape, NAN, dtype=BF16, device=DEV)
+    cu = inp["cu_seqlens"] if isinstance(cu_seqlens, str) else cu_seqlens
+    extra = {}
+    if token_rows is not None:
+        extra["token_rows"] = token_rows
+    ret = flashkda.decode(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, idx, out,
+                          num_accepted_tokens=acc, cu_seqlens=cu, workspace=ws, **gate_kwargs(inp), **extra,
+                          **CUDA_BACKEND)
+    assert ret is out
+    return out
+
+
+def ref_decode(inp, pool, idx, acc=None, cu_seqlens="inp"):
+    cu = inp["cu_seqlens"] if isinstance(cu_seqlens, str) else cu_seqlens
+    return R.decode(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, idx, num_accepted_tokens=acc,
+                    cu_seqlens=cu, **gate_kwargs(inp))
+
+
+def check_pool(gen, pool, before, ref_pool, state_tol, what=""):
+    """Rows the reference leaves as they were: bitwise untouched; the others within state_tol
+    (rel err over all written rows together).  Returns the written rows."""
+    same = (ref_pool == before.double()).flatten(1).all(1)
+    kept = same.nonzero().flatten()
+    written = (~same).nonzero().flatten()
+    if not torch.equal(pool[kept], before[kept]):
+        bad = [int(r) for r in kept if not torch.equal(pool[r], before[r])]
+        raise AssertionError(f"seed {seed_of(gen)}{what}: pool rows {bad} were written but must be untouched")
+    if written.numel():
+        assert torch.isfinite(pool[written].float()).all(), f"seed {seed_of(gen)}{what}: written rows not finite"
+        e = rel_err(pool[written], ref_pool[written])
+        assert e <= state_tol, f"seed {seed_of(gen)}{what}: state rel {e:.3e} > {state_tol}"
+    return written
+
+
+def check_decode(gen, inp, pool, idx, acc=None, out_tol=None, state_tol=None, ws=None, what=""):
+    """Runs the op on `pool` (in place) and compares out and every pool row with the reference."""
+    before = pool.clone()
+    ref_out, ref_pool = ref_decode(inp, before, idx, acc)
+    ws = workspace() if ws is None else ws
+    out = run_decode(inp, pool, idx, acc, ws=ws)
+    torch.cuda.synchronize()
+    assert flashkda.read_device_error(ws) == 0, f"seed {seed_of(gen)}{what}: device error on a valid call"
+    t_out, t_state = tols(inp, pool)
+    out_tol = t_out if out_tol is None else out_tol
+    state_tol = t_state if state_tol is None else state_tol
+    assert torch.isfinite(out.float()).all(), f"seed {seed_of(gen)}{what}: out has NaN/Inf (unwritten?)"
+    e = rel_err(out, ref_out)
+    assert e <= out_tol, f"seed {seed_of(gen)}{what}: out rel {e:.3e} > {out_tol}"
+    check_pool(gen, pool, before, ref_pool, state_tol, what)
+    return out, ref_out, ref_pool, before
+
+
+def test_workspace_size():
+    n = int(torch.ops.flashkda.get_decode_workspace_size())
+    assert 4 <= n <= 1 << 20
+
+
+@pytest.mark.skipif(not hasattr(flashkda, "explain_decode"), reason="no flashkda.explain_decode")
+@pytest.mark.parametrize("spec", [False, True], ids=["1d", "2d"])
+def test_auto_backend_is_the_kernel(gen, spec, monkeypatch):
+    """On an sm90 GPU with a CUDA build, backend "auto" picks the kernel (not fla, not the reference)."""
+    monkeypatch.delenv("FLASHKDA_BACKEND", raising=False)
+    T = 4 if spec else 1
+    inp = tokens(gen, N=2, T=T, H=4, D=128)
+    pool = new_pool(gen, 8, 4, 128)
+    idx = torch.arange(2 * T, device=DEV).view(2, T) if spec else torch.tensor([3, 5], device=DEV)
+    sel = flashkda.explain_decode(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, idx,
+                                  num_accepted_tokens=torch.tensor([1, 4], device=DEV) if spec else None,
+                                  backend="auto", **gate_kwargs(inp))
+    assert sel.backend == "cuda", str(sel)
+
+
+def test_device_error_codes_are_documented():
+    for code in (ERR_STATE_INDEX, ERR_TOKEN_ROW, ERR_ACCEPTED, ERR_SLOT_CONFLICT):
+        assert code in flashkda.DEVICE_ERRORS, f"flashkda.DEVICE_ERRORS lacks code {code}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain decode (T = 1, 1-D indices)
+
+@pytest.mark.parametrize("state_dtype", [FP32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("H", [1, 16])
+@pytest.mark.parametrize("N", [1, 3, 64])
+def test_plain_decode(gen, N, H, D, state_dtype):
+    inp = tokens(gen, N=N, T=1, H=H, D=D)
+    P = 2 * N + 3
+    pool = new_pool(gen, P, H, D, state_dtype)
+    idx = perm(gen, P)[:N].to(torch.int32).to(DEV)  # rows in a random order, not 0..N-1
+    check_decode(gen, inp, pool, idx)
+
+
+@pytest.mark.parametrize("state_dtype", [FP32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("gate_mode", ["softplus", "precomputed"])
+def test_plain_decode_gate_modes(gen, gate_mode, D, state_dtype):
+    inp = tokens(gen, N=3, T=1, H=16, D=D, gate_mode=gate_mode)
+    pool = new_pool(gen, 9, 16, D, state_dtype)
+    idx = perm(gen, 9)[:3].to(DEV)  # int64
+    check_decode(gen, inp, pool, idx)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("use_beta_sigmoid", [True, False], ids=["sig", "nosig"])
+@pytest.mark.parametrize("use_qk_l2norm", [True, False], ids=["l2", "nol2"])
+def test_plain_decode_flags(gen, use_qk_l2norm, use_beta_sigmoid, D):
+    inp = tokens(gen, N=5, T=1, H=16, D=D, use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid)
+    pool = new_pool(gen, 11, 16, D)
+    idx = perm(gen, 11)[:5].to(torch.int32).to(DEV)
+    check_decode(gen, inp, pool, idx)
+
+
+def test_plain_decode_scale(gen):
+    inp = tokens(gen, N=4, T=1, H=4, D=128)
+    pool = new_pool(gen, 6, 4, 128)
+    idx = perm(gen, 6)[:4].to(DEV)
+    before = pool.clone()
+    ref_out, ref_pool = R.decode(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], before, idx, scale=0.3,
+                                 **gate_kwargs(inp))
+    out = torch.full(inp["v"].shape, NAN, dtype=BF16, device=DEV)
+    flashkda.decode(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, idx, out, scale=0.3,
+                    **gate_kwargs(inp), **CUDA_BACKEND)
+    torch.cuda.synchronize()
+    assert rel_err(out, ref_out) <= SPEC_OUT, f"seed {seed_of(gen)}"
+    check_pool(gen, pool, before, ref_pool, SPEC_STATE)
+
+
+@pytest.mark.parametrize("state_dtype", [FP32, BF16], ids=["fp32", "bf16"])
+def test_plain_decode_fp32_gate_and_beta(gen, state_dtype):
+    inp = tokens(gen, N=7, T=1, H=16, D=128, g_dtype=FP32, beta_dtype=FP32)
+    pool = new_pool(gen, 15, 16, 128, state_dtype)
+    check_decode(gen, inp, pool, perm(gen, 15)[:7].to(DEV))
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_row_strided_inputs(gen, T):
+    """q, k, v, g and beta as slices of wider per-token rows (beta row stride != H): read in place,
+    bitwise the same as on dense copies."""
+    N, H, D = 6, 16, 128
+    inp = tokens(gen, N=N, T=T, H=H, D=D, strided=True)
+    assert not inp["beta"].is_contiguous() and not inp["q"].is_contiguous()
+    P = N * T + 5
+    pool = new_pool(gen, P, H, D)
+    if T == 1:
+        idx, acc = perm(gen, P)[:N].to(DEV), None
+    else:
+        idx = perm(gen, P)[:N * T].view(N, T).to(DEV)
+        acc = torch.randint(1, T + 1, (N,), generator=gen).to(DEV)
+    pool2 = pool.clone()
+    out, *_ = check_decode(gen, inp, pool, idx, acc)
+    dense = dict(inp)
+    for name in ("q", "k", "v", "g", "beta"):
+        dense[name] = inp[name].contiguous()
+    out2 = run_decode(dense, pool2, idx, acc)
+    torch.cuda.synchronize()
+    assert torch.equal(out, out2) and torch.equal(pool, pool2)
+
+
+def test_strided_beta_only(gen):
+    """Only beta is a slice of a fused projection (the common serving case)."""
+    inp = tokens(gen, N=9, T=1, H=16, D=128)
+    inp["beta"] = strided_copy(inp["beta"], pad=40, offset=3)
+    assert not inp["beta"].is_contiguous()
+    pool = new_pool(gen, 12, 16, 128)
+    check_decode(gen, inp, pool, perm(gen, 12)[:9].to(DEV))
+
+
+def test_plain_decode_padding(gen):
+    inp = tokens(gen, N=6, T=1, H=16, D=128)
+    pool = new_pool(gen, 10, 16, 128)
+    idx = perm(gen, 10)[:6].to(DEV)
+    idx[[1, 4]] = -1
+    out, *_ = check_decode(gen, inp, pool, idx)
+    assert torch.count_nonzero(out[[1, 4]]) == 0, f"seed {seed_of(gen)}: padded requests' out not zeroed"
+
+
+# ---------------------------------------------------------------------------------------------
+# Speculative decode (2-D indices, num_accepted_tokens)
+
+def spec_indices(gen, N, S, P):
+    """Distinct pool rows (a random permutation) [N, S] int32 and acceptance counts in 1..S."""
+    idx = perm(gen, P)[:N * S].view(N, S).to(torch.int32)
+    acc = torch.randint(1, S + 1, (N,), generator=gen, dtype=torch.int32)
+    return idx, acc
+
+
+@pytest.mark.parametrize("state_dtype", [FP32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("T", [2, 4])
+def test_spec_decode(gen, T, D, state_dtype):
+    N, H = 37, 16
+    P = N * T + 11
+    inp = tokens(gen, N=N, T=T, H=H, D=D)
+    pool = new_pool(gen, P, H, D, state_dtype)
+    idx, acc = spec_indices(gen, N, T, P)
+    check_decode(gen, inp, pool, idx.to(DEV), acc.to(DEV))
+
+
+@pytest.mark.parametrize("gate_mode", ["bounded", "softplus", "precomputed"])
+def test_spec_decode_gate_modes_int64(gen, gate_mode):
+    N, T, H, D = 5, 4, 4, 128
+    P = N * T
+    inp = tokens(gen, N=N, T=T, H=H, D=D, gate_mode=gate_mode, use_beta_sigmoid=gate_mode != "precomputed")
+    pool = new_pool(gen, P, H, D)
+    idx, acc = spec_indices(gen, N, T, P)
+    check_decode(gen, inp, pool, idx.long().to(DEV), acc.long().to(DEV))
+
+
+@pytest.mark.parametrize("state_dtype", [FP32, BF16], ids=["fp32", "bf16"])
+def test_spec_decode_every_acceptance_count(gen, state_dtype):
+    """Every acceptance count, each checked against prefills of the first t + 1 tokens."""
+    N, T, H, D = 8, 4, 4, 128
+    P = N * T + 2
+    inp = tokens(gen, N=N, T=T, H=H, D=D)
+    pool = new_pool(gen, P, H, D, state_dtype)
+    idx, _ = spec_indices(gen, N, T, P)
+    acc = torch.tensor([1, 2, 3, 4, 4, 3, 2, 1], dtype=torch.int32)
+    before = pool.clone()
+    check_decode(gen, inp, pool, idx.to(DEV), acc.to(DEV))
+    tol = SPEC_STATE if state_dtype == FP32 else LOOSE_STATE
+    for n in range(N):
+        read = int(idx[n, int(acc[n]) - 1])
+        for t in range(T):
+            sub = {name: inp[name][n:n + 1, :t + 1] for name in ("q", "k", "v", "g", "beta")}
+            _, fin = R.prefill(**sub, **gate_kwargs(inp), initial_state=before[read:read + 1])
+            e = rel_err(pool[int(idx[n, t])], fin[0])
+            assert e <= tol, f"seed {seed_of(gen)}: request {n} token {t}: rel {e:.3e}"
+
+
+@pytest.mark.parametrize("state_dtype", [FP32, BF16], ids=["fp32", "bf16"])
+def test_spec_decode_padding_and_skipped_writes(gen, state_dtype):
+    """Negative read slots pad a request (zero out, its rows untouched); negative write slots skip
+    one write.  The whole pool is compared against the expected pool (untouched rows bitwise)."""
+    N, T, H, D = 24, 4, 16, 128
+    P = N * T + 9
+    inp = tokens(gen, N=N, T=T, H=H, D=D)
+    pool = new_pool(gen, P, H, D, state_dtype)
+    idx, acc = spec_indices(gen, N, T, P)
+    rng = random.Random(seed_of(gen))
+    padded = rng.sample(range(N), 5)
+    for n in padded:
+        idx[n, int(acc[n]) - 1] = -1  # the read slot: padding (its other slots stay valid rows)
+    skipped = []
+    for n in rng.sample([n for n in range(N) if n not in padded], 6):
+        t = rng.choice([t for t in range(T) if t != int(acc[n]) - 1])
+        skipped.append(int(idx[n, t]))
+        idx[n, t] = -1
+    before = pool.clone()
+    out, *_ = check_decode(gen, inp, pool, idx.to(DEV), acc.to(DEV))
+    assert torch.count_nonzero(out[padded]) == 0, f"seed {seed_of(gen)}: padded requests' out not zeroed"
+    rows = [int(r) for n in padded for r in idx[n] if r >= 0] + skipped
+    assert torch.equal(pool[rows], before[rows]), f"seed {seed_of(gen)}: padded / skipped rows were written"
+
+
+def test_spec_decode_read_slot_not_written(gen):
+    """The read slot may be a row the request does not write this step (acc - 1 past a skipped write)."""
+    N, T, H, D = 4, 3, 4, 128
+    inp = tokens(gen, N=N, T=T, H=H, D=D)
+    pool = new_pool(gen, 16, H, D)
+    idx = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]], dtype=torch.int32)
+    acc = torch.tensor([3, 1, 2, 3], dtype=torch.int32)
+    idx[0, 2] = 14  # request 0 reads row 14 and writes it (its last token)
+    check_decode(gen, inp, pool, idx.to(DEV), acc.to(DEV))
+
+
+# ---------------------------------------------------------------------------------------------
+# Varlen (cu_seqlens), with empty requests
+
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64], ids=["cu32", "cu64"])
+@pytest.mark.parametrize("state_dtype", [FP32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("spec", [False, True], ids=["1d", "2d"])
+def test_varlen(gen, spec, state_dtype, cu_dtype):
+    S = 4
+    rng = random.Random(seed_of(gen))
+    lens = [rng.choice([0, 0, 1, 1, 2, 3, 4]) for _ in range(29)] + [0, 4]
+    if not spec:
+        lens = [min(n, 2) for n in lens]  # plain decode: a token or two (or none)
+    N, H, D = len(lens), 16, 128
+    inp = tokens(gen, lens=lens, H=H, D=D, cu_dtype=cu_dtype)
+    P = N * S + 7
+    pool = new_pool(gen, P, H, D, state_dtype)
+    if spec:
+        idx, acc = spec_indices(gen, N, S, P)
+        idx[3, int(acc[3]) - 1] = -1  # one padded request
+        idx, acc = idx.to(DEV), acc.to(DEV)
+    else:
+        idx, acc = perm(gen, P)[:N].to(DEV), None
+        idx[5] = -1
+    out, *_ = check_decode(gen, inp, pool, idx, acc)
+    cu = inp["cu_seqlens"].tolist()
+    pad_n = 3 if spec else 5
+    assert torch.count_nonzero(out[0, cu[pad_n]:cu[pad_n + 1]]) == 0
+
+
+def test_varlen_all_empty(gen):
+    inp = tokens(gen, lens=[0, 0, 0], H=4, D=128)
+    pool = new_pool(gen, 5, 4, 128)
+    before = pool.clone()
+    run_decode(inp, pool, torch.tensor([4, 0, 2], device=DEV), ws=workspace())
+    torch.cuda.synchronize()
+    assert torch.equal(pool, before)
+
+
+# ---------------------------------------------------------------------------------------------
+# token_rows: logical token t reads / writes row token_rows[t] of dim 1
+
+@pytest.mark.parametrize("rows_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("spec", [False, True], ids=["1d", "2d"])
+def test_token_rows(gen, spec, rows_dtype):
+    S, H, D = 3, 16, 128
+    rng = random.Random(seed_of(gen))
+    lens = [rng.randint(0, S if spec else 1) for _ in range(12)]
+    N, T_log = len(lens), sum(lens)
+    R_rows = T_log + 9  # the call's buffers have more rows (e.g. a mixed prefill/decode step)
+    big = tokens(gen, N=1, T=R_rows, H=H, D=D)  # [1, R_rows, ...]
+    rows = perm(gen, R_rows)[:T_log]
+    unmapped = sorted(set(range(R_rows)) - set(rows.tolist()))
+    for name in ("q", "k", "v", "g", "beta"):  # rows no token maps to must not be read
+        big[name][:, unmapped] = NAN
+    cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(N)], dtype=torch.int32, device=DEV)
+    logical = dict(big, cu_seqlens=cu)
+    for name in ("q", "k", "v", "g", "beta"):
+        logical[name] = big[name][:, rows.to(DEV)].contiguous()
+    P = N * S + 4
+    pool = new_pool(gen, P, H, D)
+    if spec:
+        idx, acc = spec_indices(gen, N, S, P)
+        idx, acc = idx.to(DEV), acc.to(DEV)
+    else:
+        idx, acc = perm(gen, P)[:N].to(DEV), None
+    before = pool.clone()
+    ref_out, ref_pool = ref_decode(logical, before, idx, acc)
+    out = torch.full(big["v"].shape, NAN, dtype=BF16, device=DEV)
+    ws = workspace()
+    run_decode(big, pool, idx, acc, out=out, ws=ws, token_rows=rows.to(device=DEV, dtype=rows_dtype),
+               cu_seqlens=cu)
+    torch.cuda.synchronize()
+    assert flashkda.read_device_error(ws) == 0
+    mapped = out[:, rows.to(DEV)]
+    assert torch.isfinite(mapped.float()).all(), f"seed {seed_of(gen)}: a mapped row not written"
+    assert rel_err(mapped, ref_out) <= SPEC_OUT, f"seed {seed_of(gen)}"
+    assert torch.isnan(out[:, unmapped].float()).all(), f"seed {seed_of(gen)}: an unmapped out row was written"
+    check_pool(gen, pool, before, ref_pool, SPEC_STATE)
+
+
+# ---------------------------------------------------------------------------------------------
+# Determinism and CUDA graphs
+
+def test_deterministic(gen):
+    N, T, H, D = 64, 4, 16, 128
+    P = N * T + 3
+    inp = tokens(gen, N=N, T=T, H=H, D=D)
+    pool0 = new_pool(gen, P, H, D)
+    idx, acc = spec_indices(gen, N, T, P)
+    idx, acc = idx.to(DEV), acc.to(DEV)
+    results = []
+    for _ in range(3):
+        pool = pool0.clone()
+        out = run_decode(inp, pool, idx, acc)
+        results.append((out, pool))
+    torch.cuda.synchronize()
+    for out, pool in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(pool, results[0][1])
+
+
+def test_cuda_graph_replay(gen):
+    """Captured once, replayed with new inputs, indices, acceptance counts and pool contents copied
+    into the static tensors: bitwise equal to eager calls, and right."""
+    N, T, H, D = 16, 4, 4, 128
+    P = N * T + 8
+
+    def data(pad):
+        inp = tokens(gen, N=N, T=T, H=H, D=D)
+        idx, acc = spec_indices(gen, N, T, P)
+        if pad:
+            idx[3, int(acc[3]) - 1] = -1  # a padded request
+            idx[7, int(acc[7]) % T] = -1  # a skipped write (not request 7's read slot)
+        return inp, new_pool(gen, P, H, D), idx.to(DEV), acc.to(DEV)
+
+    first, second = data(False), data(True)
+    s_inp = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in first[0].items()}
+    s_pool, s_idx, s_acc = first[1].clone(), first[2].clone(), first[3].clone()
+    out = torch.full(s_inp["v"].shape, NAN, dtype=BF16, device=DEV)
+    ws = workspace()
+
+    def call():
+        run_decode(s_inp, s_pool, s_idx, s_acc, out=out, ws=ws)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for inp, pool, idx, acc in (first, second):
+        for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias"):
+            s_inp[name].copy_(inp[name])
+        s_pool.copy_(pool)
+        s_idx.copy_(idx)
+        s_acc.copy_(acc)
+        out.fill_(NAN)
+        graph.replay()
+        e_pool = pool.clone()
+        e_out = run_decode(inp, e_pool, idx, acc)
+        torch.cuda.synchronize()
+        assert flashkda.read_device_error(ws) == 0
+        assert torch.equal(out, e_out) and torch.equal(s_pool, e_pool), f"seed {seed_of(gen)}: replay != eager"
+        ref_out, ref_pool = ref_decode(inp, pool, idx, acc)
+        assert rel_err(out, ref_out) <= SPEC_OUT, f"seed {seed_of(gen)}"
+        check_pool(gen, s_pool, pool, ref_pool, SPEC_STATE)
+
+
+# ---------------------------------------------------------------------------------------------
+# Device-side validation of index values (CUDA tensors are not read by the host)
+
+def _bad_call(gen, idx, acc=None, lens=None, token_rows=None, T=2):
+    N, H, D = idx.shape[0], 4, 128
+    if lens is not None:
+        inp = tokens(gen, lens=lens, H=H, D=D)
+    else:
+        inp = tokens(gen, N=N, T=T, H=H, D=D)
+    P = 12
+    pool = new_pool(gen, P, H, D)
+    before = pool.clone()
+    ws = workspace()
+    out = run_decode(inp, pool, idx.to(DEV), None if acc is None else acc.to(DEV), ws=ws,
+                     token_rows=None if token_rows is None else token_rows.to(DEV))
+    code = flashkda.read_device_error(ws)
+    # a good call on the same workspace afterwards reports nothing
+    flashkda.clear_device_error(ws)
+    assert flashkda.read_device_error(ws) == 0
+    return code, pool, before, out, inp, ws
+
+
+def test_device_error_index_ge_P_1d(gen):
+    code, pool, before, out, *_ = _bad_call(gen, torch.tensor([0, 12, 5]), T=1)
+    assert code == ERR_STATE_INDEX, f"seed {seed_of(gen)}: device error {code}"
+    assert torch.isfinite(pool.float()).all()
+
+
+def test_device_error_index_ge_P_2d(gen):
+    idx = torch.tensor([[0, 1], [2, 30], [4, 5]], dtype=torch.int32)
+    acc = torch.tensor([2, 1, 1], dtype=torch.int32)  # request 1 reads row 2, would write rows 2 and 30
+    code, pool, before, *_ = _bad_call(gen, idx, acc)
+    assert code == ERR_STATE_INDEX, f"seed {seed_of(gen)}: device error {code}"
+    assert torch.equal(pool[2], before[2]), f"seed {seed_of(gen)}: the bad request's row was written"
+    rows_never = [r for r in range(12) if r not in (0, 1, 2, 4, 5)]
+    assert torch.equal(pool[rows_never], before[rows_never])
+
+
+def test_device_error_read_slot_ge_P(gen):
+    idx = torch.tensor([[0, 1], [99, 3], [4, 5]], dtype=torch.int32)
+    acc = torch.tensor([1, 1, 2], dtype=torch.int32)
+    code, pool, before, *_ = _bad_call(gen, idx, acc)
+    assert code == ERR_STATE_INDEX, f"seed {seed_of(gen)}: device error {code}"
+    assert torch.equal(pool[3], before[3]), f"seed {seed_of(gen)}: the bad request's row was written"
+
+
+@pytest.mark.parametrize("case", ["dup_between_requests", "dup_in_request", "dup_1d", "cross_read_write"])
+def test_device_error_slot_conflict(gen, case):
+    acc, lens, T = torch.tensor([1, 2, 1], dtype=torch.int32), None, 2
+    if case == "dup_between_requests":
+        idx = torch.tensor([[0, 1], [2, 1], [4, 5]])
+    elif case == "dup_in_request":
+        idx = torch.tensor([[0, 0], [2, 3], [4, 5]])
+    elif case == "dup_1d":
+        idx, acc, T = torch.tensor([4, 1, 4]), None, 1
+    else:  # varlen 1, 0, 2 tokens: request 0 reads row 5 (column 1, which it does not write) and request 2 writes it
+        idx, acc, lens = torch.tensor([[0, 5], [2, 3], [4, 5]]), torch.tensor([2, 1, 1]), [1, 0, 2]
+    code, pool, *_ = _bad_call(gen, idx, acc, lens=lens, T=T)
+    assert code == ERR_SLOT_CONFLICT, f"seed {seed_of(gen)}: device error {code}"
+    assert torch.isfinite(pool.float()).all()
+
+
+@pytest.mark.parametrize("bad", [0, 3, -1])
+def test_device_error_num_accepted(gen, bad):
+    idx = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32)
+    acc = torch.tensor([1, bad, 2], dtype=torch.int32)
+    code, pool, before, *_ = _bad_call(gen, idx, acc)
+    assert code == ERR_ACCEPTED, f"seed {seed_of(gen)}: device error {code}"
+    assert torch.equal(pool[[2, 3]], before[[2, 3]]), f"seed {seed_of(gen)}: the bad request's rows were written"
+
+
+def test_device_error_token_row(gen):
+    lens = [1, 2]
+    idx = torch.tensor([3, 7])
+    code, pool, before, out, *_ = _bad_call(gen, idx, lens=lens, token_rows=torch.tensor([0, 5, 1]))
+    assert code == ERR_TOKEN_ROW, f"seed {seed_of(gen)}: device error {code}"
+    assert torch.isfinite(pool.float()).all()
+
+
+def test_device_error_then_good_call(gen):
+    """A bad call records its error; a good call on the same workspace afterwards runs and records 0."""
+    code, pool, before, out, inp, ws = _bad_call(gen, torch.tensor([0, 40, 5]), T=1)
+    assert code == ERR_STATE_INDEX
+    check_decode(gen, inp, pool, torch.tensor([0, 4, 5], device=DEV), ws=ws)
+
+
+# ---------------------------------------------------------------------------------------------
+# A serving simulation: 200 steps of CUDA prefills (new and continued), plain decode and spec decode
+# with random acceptance on one pool, checked against each request's accepted token stream run
+# through the float64 reference.
+
+SIM_T_SPEC = 4  # 1 + 3 drafts: the pool rows each request owns
+
+
+@pytest.mark.parametrize("state_dtype", [FP32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("device", [DEV])
+def test_serving_simulation(gen, device, state_dtype):
+    H, D, P = 4, 128, 44
+    rng = random.Random(seed_of(gen))
+    out_tol = SPEC_OUT if state_dtype == FP32 else LOOSE_OUT
+    # bf16 pool: one rounding per call, accumulated over a request's life (the gate forgets most of it)
+    state_tol = SPEC_STATE if state_dtype == FP32 else LOOSE_STATE
+    pool = torch.full((P, H, D, D), NAN, device=device, dtype=state_dtype)  # free rows NaN: a read shows
+    shadow = pool.double().clone()  # the pool the float64 reference says we should have
+    free = list(range(P))
+    rng.shuffle(free)
+    live = []
+    next_id = 0
+    A_log = torch.rand(H, generator=gen).to(device)
+    dt_bias = torch.rand(H, D, generator=gen).to(device)
+    gate = dict(gate_mode="bounded", A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, use_qk_l2norm=True,
+                use_beta_sigmoid=True)
+    counts = dict(prefill_new=0, prefill_cont=0, decode=0, spec=0, spec_varlen=0, padded=0, finished=0)
+    ws = workspace()
+    seed = seed_of(gen)
+
+    def gen_tokens(lens=None, N=1, T=1):
+        inp = make_inputs(lens, B=N, T=T, H=H, D=D, device=device, with_initial_state=False, generator=gen)
+        inp.update(A_log=A_log, dt_bias=dt_bias)
+        return inp
+
+    def check_against_streams(step):
+        torch.cuda.synchronize()
+        started = [r for r in live if r.started]
+        if started:
+            lens = [r.tokens("q").shape[0] for r in started]
+            cu = torch.tensor([0] + list(torch.cumsum(torch.tensor(lens), 0)), dtype=torch.int64, device=device)
+            cat = {name: torch.cat([r.tokens(name) for r in started], 0).unsqueeze(0) for name in started[0].stream}
+            _, fin = R.prefill(**cat, **gate, cu_seqlens=cu)
+            for i, r in enumerate(started):
+                row = r.rows[r.cur]
+                e = rel_err(pool[row], fin[i])
+                assert e <= state_tol, (f"seed {seed} step {step}: request {r.rid} (row {row}, {lens[i]} tokens): "
+                                        f"state rel {e:.3e}")
+        owned = {row for r in live for row in r.rows}
+        for row in range(P):
+            if row not in owned:
+                assert torch.isnan(pool[row].float()).all(), f"seed {seed} step {step}: free row {row} was written"
+        assert torch.equal(torch.isnan(pool.float()), torch.isnan(shadow)), f"seed {seed} step {step}"
+
+    for step in range(200):
+        new = []
+        while len(free) >= SIM_T_SPEC and len(live) < 10 and rng.random() < 0.5:
+            r = Request(next_id, [free.pop() for _ in range(SIM_T_SPEC)])
+            next_id += 1
+            live.append(r)
+            new.append(r)
+        acts = {"prefill": list(new), "decode": [], "spec": []}
+        for r in list(live):
+            if r in new:
+                continue
+            x = rng.random()
+            if x < 0.08:
+                live.remove(r)
+                pool[r.rows] = NAN
+                shadow[r.rows] = NAN
+                free.extend(r.rows)
+                counts["finished"] += 1
+            elif x < 0.25:
+                acts["prefill"].append(r)
+            elif x < 0.55:
+                acts["decode"].append(r)
+            elif x < 0.9:
+                acts["spec"].append(r)
+
+        # prefill (CUDA): new requests (has_initial_state False, their rows are NaN) and continuations
+        if acts["prefill"]:
+            reqs = acts["prefill"]
+            lens = [rng.randint(1, 40) if not r.started else rng.randint(0, 70) for r in reqs]
+            pad = rng.random() < 0.3
+            inp = gen_tokens(lens + ([rng.randint(1, 4)] if pad else []))
+            idx = torch.tensor([r.rows[r.cur] for r in reqs] + ([-1] if pad else []), dtype=torch.int32,
+                               device=device)
+            has = torch.tensor([r.started for r in reqs] + ([True] if pad else []), device=device)
+            ref_out, fin = R.prefill(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], **gate, initial_state=shadow,
+                                     cu_seqlens=inp["cu_seqlens"], state_indices=idx, has_initial_state=has)
+            shadow = R.update_state_pool(shadow, fin, idx)
+            out = torch.full(inp["v"].shape, NAN, dtype=BF16, device=device)
+            flashkda.prefill(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], out, **gate, initial_state=pool,
+                             final_state=pool, cu_seqlens=inp["cu_seqlens"], state_indices=idx,
+                             has_initial_state=has)
+            e = rel_err(out, ref_out)
+            assert e <= out_tol, f"seed {seed} step {step}: prefill out rel {e:.3e}"
+            cu = inp["cu_seqlens"].tolist()
+            for i, r in enumerate(reqs):
+                counts["prefill_cont" if r.started else "prefill_new"] += 1
+                r.accept(inp, cu[i], lens[i])
+                r.started = True
+            counts["padded"] += pad
+
+        # plain decode: one token each, fixed layout [N, 1], maybe one padded row
+        if acts["decode"]:
+            reqs = acts["decode"]
+            pad = rng.random() < 0.3
+            inp = dict(gen_tokens(N=len(reqs) + pad, T=1), **gate)
+            idx = torch.tensor([r.rows[r.cur] for r in reqs] + ([-1] if pad else []), dtype=torch.int64,
+                               device=device)
+            ref_out, shadow = ref_decode(inp, shadow, idx)
+            out = run_decode(inp, pool, idx, ws=ws)
+            e = rel_err(out, ref_out)
+            assert e <= out_tol, f"seed {seed} step {step}: decode out rel {e:.3e}"
+            for i, r in enumerate(reqs):
+                r.accept_row(inp, i, 1)
+                counts["decode"] += 1
+            counts["padded"] += pad
+
+        # speculative decode: 1 + 3 tokens each (or a varlen draft count), random acceptance; the
+        # next step reads the slot of the last accepted token (rollback of the rejected drafts)
+        if acts["spec"]:
+            reqs = acts["spec"]
+            varlen = rng.random() < 0.3
+            if varlen:
+                lens = [rng.randint(1, SIM_T_SPEC) for _ in reqs]
+                inp = dict(gen_tokens(lens), **gate)
+            else:
+                lens = [SIM_T_SPEC] * len(reqs)
+                inp = dict(gen_tokens(N=len(reqs), T=SIM_T_SPEC), **gate)
+            idx = torch.tensor([r.rows for r in reqs], dtype=torch.int32, device=device)
+            acc = torch.tensor([r.cur + 1 for r in reqs], dtype=torch.int32, device=device)
+            ref_out, shadow = ref_decode(inp, shadow, idx, acc)
+            out = run_decode(inp, pool, idx, acc, ws=ws)
+            e = rel_err(out, ref_out)
+            assert e <= out_tol, f"seed {seed} step {step}: spec out rel {e:.3e}"
+            cu = inp["cu_seqlens"].tolist() if varlen else None
+            for i, r in enumerate(reqs):
+                accepted = rng.randint(1, lens[i])
+                if varlen:
+                    r.accept(inp, cu[i], accepted)
+                else:
+                    r.accept_row(inp, i, accepted)
+                r.cur = accepted - 1
+                counts["spec_varlen" if varlen else "spec"] += 1
+
+        if step % 20 == 19:
+            assert flashkda.read_device_error(ws) == 0, f"seed {seed} step {step}: device error"
+            check_against_streams(step)
+
+    check_against_streams(200)
+    assert counts["finished"] > 5 and counts["prefill_new"] > 10 and counts["prefill_cont"] > 10
+    assert counts["decode"] > 50 and counts["spec"] > 50 and counts["spec_varlen"] > 10 and counts["padded"] > 10
