@@ -207,6 +207,9 @@ Status run_decode_cuda(const DecodeParams& p, const DecodeShape& shape, void* wo
   a.error_word = static_cast<int*>(workspace);
   const bool f32 = p.state_pool.dtype == DType::kFloat32;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  // The kernel only sets the error word; clear it so that it reports this call alone.
+  cudaError_t e = cudaMemsetAsync(workspace, 0, sizeof(int32_t), s);
+  if (e != cudaSuccess) return sm90::cuda_status(e, "clearing the workspace error word");
   if (shape.K == 128) return sm90::launch_decode_d128(a, f32, s);
   return sm90::launch_decode_d64(a, f32, s);
 }

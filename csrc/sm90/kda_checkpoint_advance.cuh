@@ -7,7 +7,8 @@
 // offsets (r = 0) need nothing and their blocks exit at once.
 //
 // Grid: (N x n_ckpt x V / kRowsPerBlock row slices, H).  Block: 4 warps; each thread holds 16 fp32
-// columns of one state row (TokenLayout), shared memory is one token buffer per warp (6 KB).
+// columns of one state row (TokenLayout); shared memory holds kTokenChunk = 8 preprocessed tokens
+// (12 KB), filled by the warps in parallel, so 63 tokens cost 8 memory round trips, not 63.
 // Runs after state_recurrence on the same stream; does nothing when chunk_prepare flagged an input.
 #pragma once
 
@@ -21,10 +22,10 @@ __global__ void __launch_bounds__(kTokenWarps * 32) checkpoint_advance_kernel(co
   using TL = TokenLayout<D>;
   constexpr int PC = TL::kColsPerLane;
   constexpr int kSlices = D / TL::kRowsPerBlock;
-  __shared__ __align__(16) TokenBuf<D> sbuf[kTokenWarps];
+  __shared__ __align__(16) TokenChunkSmem<D> sm;
   if (*reinterpret_cast<volatile int*>(a.error_word) != 0) return;  // bad inputs: write nothing
 
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;  // exits below are block-uniform
   const int64_t e = blockIdx.x / kSlices;  // (sequence, checkpoint) pair
   const int h = blockIdx.y;
   const int vrow = static_cast<int>(blockIdx.x % kSlices) * TL::kRowsPerBlock + warp * TL::kRowsPerWarp +
@@ -45,16 +46,9 @@ __global__ void __launch_bounds__(kTokenWarps * 32) checkpoint_advance_kernel(co
   float dtb[PC];
 #pragma unroll
   for (int i = 0; i < PC; ++i) dtb[i] = gated ? a.dt_bias[h * D + lane * PC + i] : 0.f;
-  TokenBuf<D>& buf = sbuf[warp];
-  TokenRaw<D> raw;
-  load_token<D>(a, sp.batch, mapped_row(a, sp.bos + first), h, vrow, lane, raw);
-  for (int64_t tok = first; tok < o; ++tok) {
-    const TokenRaw<D> cur = raw;
-    if (tok + 1 < o) load_token<D>(a, sp.batch, mapped_row(a, sp.bos + tok + 1), h, vrow, lane, raw);
-    __syncwarp();
-    const float b = preprocess_token<D>(a, cur, expA, dtb, buf, lane);
-    __syncwarp();
-    (void)advance_row<D>(s, buf, j, b, cur.v);
+  for (int64_t t0 = first; t0 < o; t0 += kTokenChunk) {
+    const int nt = static_cast<int>(o - t0 < kTokenChunk ? o - t0 : kTokenChunk);
+    run_token_chunk<D>(a, sp.batch, sp.bos + t0, nt, h, vrow, j, expA, dtb, sm, s, [](int, float) {});
   }
   store_state_row<D, true>(row, j, s);
 }

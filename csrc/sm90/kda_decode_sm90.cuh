@@ -5,22 +5,25 @@
 // Grid: (N requests x V / kRowsPerBlock row slices, H).  Block: 4 warps, no specialisation; each
 // thread owns 16 columns of one state row in registers (kda_token_recurrence.cuh), so the state is
 // read once from the pool, stays on chip across all of the request's tokens, and is written once per
-// write slot: the only state traffic is the unavoidable one.  Shared memory: one preprocessed token
-// per warp (3 x D fp32; 6 KB for D = 128).  No block barrier inside the token loop.
+// write slot: the only state traffic is the unavoidable one.  Shared memory: kTokenChunk = 8
+// preprocessed tokens (3 x D fp32 each; 12 KB for D = 128), filled by the 4 warps in parallel.
 //
 // Memory-bound by design: per request and head the state is D x D x 4 bytes (64 KB for D = 128)
 // against ~1 KB of q/k/v/g per token, so the kernel must keep enough state bytes in flight: all 16
 // columns of a thread are loaded with four 16-byte loads issued back to back, before the index
 // checks below, and V is split over D / kRowsPerBlock blocks (8 for D = 128) so that even one request
-// of 16 heads spreads over 128 blocks.
+// of 16 heads spreads over 128 blocks.  The state load is issued right after the read slot is
+// known, before the other checks, so the chain of dependent memory round trips of a block is short:
+// read slot -> (state, tokens, checks) -> math -> stores.
 //
 // Device-side validation (the host cannot read CUDA index values without a sync): every block of a
 // request checks the request's cu_seqlens pair, num_accepted_tokens, all its index entries (< P),
-// its token_rows, and that none of its write slots is read or written by another request (O(N S^2)
-// loads from L1 per block).  A request that fails any check reads nothing, writes nothing (neither
-// out nor pool) and records its DeviceError code in the workspace error word; other requests run.
-// The word is only ever set here, never cleared (prefill clears it at its start;
-// clear_device_error() clears it).
+// and its token_rows; a request that fails reads nothing more, writes nothing (neither out nor pool)
+// and records its DeviceError code in the workspace error word, other requests run.  Pool-row
+// conflicts between requests (a row written twice, or written by one and read by another) are
+// checked by one block per request after its work and reported (kStateSlotConflict); the rows
+// involved are then unspecified, but every access stays inside the pool.  The host clears the word
+// before each call.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -126,7 +129,8 @@ __global__ void __launch_bounds__(kTokenWarps * 32) decode_kernel(const DecodeAr
   using StateT = typename std::conditional<kF32, float, bf16>::type;
   constexpr int PC = TL::kColsPerLane;
   constexpr int kSlices = D / TL::kRowsPerBlock;
-  __shared__ __align__(16) TokenBuf<D> sbuf[kTokenWarps];
+  __shared__ __align__(16) TokenChunkSmem<D> sm;
+  __shared__ int64_t s_slot[kTokenChunk], s_row[kTokenChunk];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t n = blockIdx.x / kSlices;
@@ -134,25 +138,20 @@ __global__ void __launch_bounds__(kTokenWarps * 32) decode_kernel(const DecodeAr
   const int vrow = static_cast<int>(blockIdx.x % kSlices) * TL::kRowsPerBlock + warp * TL::kRowsPerWarp +
                    lane / TL::kLanesPerRow;
   const int j = lane % TL::kLanesPerRow;
+  const int64_t out_col = static_cast<int64_t>(h) * D + vrow;
+  const int64_t head_rows = static_cast<int64_t>(a.H) * D;  // state rows per pool row
+  StateT* pool = static_cast<StateT*>(a.pool);
 
-  // ---- 1. the request's own checks (one round of parallel loads)
+  // ---- 1. the read slot, then at once the state load (speculative: clamped into the pool, used
+  // only if every check below passes), overlapping the rest of the request's checks.
   int64_t batch, bos, len, read = -1;
   int err = decode_span(a, n, &batch, &bos, &len) ? 0 : static_cast<int>(DeviceError::kBadCuSeqlens);
-  // The first token's inputs and the gate parameters depend on the span only: issue them now so
-  // that their latency overlaps the index loads below (mapped_row clamps, so this stays in bounds
-  // even before token_rows is checked).
-  const bool gated = a.gate_mode != kGatePrecomputed;
-  const float expA = gated ? expf(a.A_log[h]) : 0.f;
-  float dtb[PC];
-#pragma unroll
-  for (int i = 0; i < PC; ++i) dtb[i] = gated ? a.dt_bias[h * D + lane * PC + i] : 0.f;
-  TokenRaw<D> raw;
-  int64_t row = 0;
-  if (len > 0) {
-    row = mapped_row(a, bos);
-    load_token<D>(a, batch, row, h, vrow, lane, raw);
-  }
   if (err == 0) err = decode_read_slot(a, n, len, &read);
+  float s[16];
+  if (read >= 0) {
+    const int64_t r = read < a.pool_rows ? read : a.pool_rows - 1;
+    load_state_row<D, kF32>(pool + (r * head_rows + out_col) * D, j, s);
+  }
   if (err == 0) {
     for (int64_t e = tid; e < a.slots; e += blockDim.x) {
       if (slot_at(a, n, e) >= a.pool_rows) err = static_cast<int>(DeviceError::kBadStateIndex);
@@ -164,28 +163,47 @@ __global__ void __launch_bounds__(kTokenWarps * 32) decode_kernel(const DecodeAr
       }
     }
   }
-  if (__syncthreads_or(err != 0)) {
+  if (__syncthreads_or(err != 0)) {  // a bad request reads nothing more and writes nothing
     if (err != 0) atomicExch(a.error_word, err);
     return;
   }
 
-  const int64_t out_col = static_cast<int64_t>(h) * D + vrow;
   if (read < 0) {  // padded request: zero its outputs, touch no state
     if (j == 0) {
       for (int64_t t = 0; t < len; ++t) {
         a.out[batch * a.out_sb + mapped_row(a, bos + t) * a.out_st + out_col] = __float2bfloat16_rn(0.f);
       }
     }
-    return;
+  } else {
+    // ---- 2. the tokens, kTokenChunk at a time: the state stays in registers; out and (spec) the
+    // write slot of each token.
+    const bool gated = a.gate_mode != kGatePrecomputed;
+    const float expA = gated ? expf(a.A_log[h]) : 0.f;
+    float dtb[PC];
+#pragma unroll
+    for (int i = 0; i < PC; ++i) dtb[i] = gated ? a.dt_bias[h * D + lane * PC + i] : 0.f;
+    for (int64_t c0 = 0; c0 < len; c0 += kTokenChunk) {
+      const int nt = static_cast<int>(len - c0 < kTokenChunk ? len - c0 : kTokenChunk);
+      // Write slot and output row of each token: the same for the whole block, so kept in shared
+      // memory (published by run_token_chunk's first barrier, and protected by its last).
+      if (tid < nt) {
+        s_slot[tid] = a.spec ? slot_at(a, n, c0 + tid) : -1;
+        s_row[tid] = mapped_row(a, bos + c0 + tid);
+      }
+      run_token_chunk<D>(a, batch, bos + c0, nt, h, vrow, j, expA, dtb, sm, s, [&](int i, float o) {
+        if (j == 0) a.out[batch * a.out_sb + s_row[i] * a.out_st + out_col] = __float2bfloat16_rn(o);
+        const int64_t w = s_slot[i];
+        if (w >= 0) store_state_row<D, kF32>(pool + (w * head_rows + out_col) * D, j, s);
+      });
+    }
+    if (!a.spec && len > 0) store_state_row<D, kF32>(pool + (read * head_rows + out_col) * D, j, s);
   }
 
-  // ---- 2. the state (in flight while the conflict check runs)
-  float s[16];
-  StateT* pool = static_cast<StateT*>(a.pool);
-  const int64_t head_rows = static_cast<int64_t>(a.H) * D;  // state rows per pool row
-  load_state_row<D, kF32>(pool + ((read * head_rows) + out_col) * D, j, s);
-
-  // ---- 3. no other request may touch a row this one writes (or write the row it reads)
+  // ---- 3. one block per request (head 0, slice 0) checks that no other request touches a row this
+  // one writes (or writes the row it reads), and reports a conflict.  It does not gate the writes:
+  // that would put an O(N S^2) chain of loads in front of every block; the word tells the caller
+  // that the rows involved are unspecified.
+  if (h != 0 || blockIdx.x % kSlices != 0 || read < 0) return;
   int conflict = 0;
   if (a.spec) {
     for (int64_t e = tid; e < len * len; e += blockDim.x) {
@@ -199,29 +217,7 @@ __global__ void __launch_bounds__(kTokenWarps * 32) decode_kernel(const DecodeAr
   for (int64_t m = tid; m < a.N; m += blockDim.x) {
     if (m != n && decode_conflicts(a, n, len, read, m)) conflict = 1;
   }
-  if (__syncthreads_or(conflict)) {
-    if (tid == 0) atomicExch(a.error_word, static_cast<int>(DeviceError::kStateSlotConflict));
-    return;
-  }
-
-  // ---- 4. the tokens: the state stays in registers; out and (spec) a write slot per token
-  TokenBuf<D>& buf = sbuf[warp];
-  for (int64_t t = 0; t < len; ++t) {
-    const TokenRaw<D> cur = raw;
-    const int64_t cur_row = row;
-    const int64_t w = a.spec ? slot_at(a, n, t) : -1;
-    if (t + 1 < len) {  // next token's loads overlap this token's math
-      row = mapped_row(a, bos + t + 1);
-      load_token<D>(a, batch, row, h, vrow, lane, raw);
-    }
-    __syncwarp();  // the previous token's buffer reads are done
-    const float b = preprocess_token<D>(a, cur, expA, dtb, buf, lane);
-    __syncwarp();
-    const float o = advance_row<D>(s, buf, j, b, cur.v);
-    if (j == 0) a.out[batch * a.out_sb + cur_row * a.out_st + out_col] = __float2bfloat16_rn(o);
-    if (w >= 0) store_state_row<D, kF32>(pool + (w * head_rows + out_col) * D, j, s);
-  }
-  if (!a.spec && len > 0) store_state_row<D, kF32>(pool + (read * head_rows + out_col) * D, j, s);
+  if (conflict) atomicExch(a.error_word, static_cast<int>(DeviceError::kStateSlotConflict));
 }
 
 template <int D, bool kF32>

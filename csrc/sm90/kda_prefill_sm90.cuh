@@ -39,10 +39,11 @@ cudaError_t set_smem_limit_once(int bytes) {
 
 // Warps per state_recurrence block (each warp owns 16 state rows; a block handles 16 NW of the D
 // rows of one head): the widest block whose grid (N H D / (16 NW) blocks) still fits in one wave of
-// the GPU, so that with few sequences x heads the sequential walk is spread over more SMs (down to
-// one warp per SM for N H <= num_sms / 8), and with many the record loads are shared by 8 warps.
+// the GPU (4 or 8 warps: 1- and 2-warp blocks were measured slower, 781 vs 712 us of state
+// recurrence on 1x16384 H16, docs/perf-notes.md), and with many heads the record loads are shared by
+// 8 warps.
 inline int state_block_warps(int64_t N, int64_t H, int64_t D, int num_sms) {
-  for (int nw = 1; nw < 8; nw *= 2) {
+  for (int nw = 4; nw < 8; nw *= 2) {
     if (16 * nw <= D && N * H * (D / (16 * nw)) <= num_sms) return nw;
   }
   return D >= 128 ? 8 : 4;
@@ -74,12 +75,6 @@ Status launch_prefill(const PrefillArgs& a, int num_sms, cudaStream_t stream) {
   Status st = cuda_status(cudaGetLastError(), "chunk_prepare launch");
   if (!st.ok() || a.N <= 0) return st;
   switch (state_block_warps(a.N, a.H, D, num_sms)) {
-    case 1:
-      st = launch_recurrence<D, 1>(a, stream);
-      break;
-    case 2:
-      st = launch_recurrence<D, 2>(a, stream);
-      break;
     case 4:
       st = launch_recurrence<D, 4>(a, stream);
       break;

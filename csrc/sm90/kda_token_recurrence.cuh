@@ -11,8 +11,8 @@
 // j of a row group holds columns 4 j + 4 LPR i + c (i, c < 4), so each of the four float4 loads of a
 // row group reads one contiguous segment of 4 LPR floats of the row (coalesced).  A warp
 // holds 32 / LPR rows, a block of kTokenWarps warps kRowsPerBlock rows (16 for D = 128, 32 for 64).
-// Per token each warp preprocesses q, k, gate (D / 32 columns per lane; l2 norms by warp shuffles)
-// into its own shared buffer (no block barrier), then each row group reads its 16 columns back.
+// Tokens go kTokenChunk at a time: each warp preprocesses two of them (q, k, gate; D / 32 columns
+// per lane, l2 norms by warp shuffles) into shared memory, then every row group runs them.
 #pragma once
 
 #include "sm90/kda_common.cuh"
@@ -64,18 +64,16 @@ __device__ inline void load_bf16_run(const bf16* p, bool vec, float (&x)[PC]) {
   }
 }
 
-// Raw inputs of one token for one warp: D / 32 columns of q, k, g per lane, beta and the lane's
-// state-row value of v.  Issued together so their latencies overlap.
+// Raw inputs of one token for one warp: D / 32 columns of q, k, g per lane and beta, issued
+// together so their latencies overlap.
 template <int D>
 struct TokenRaw {
   float q[D / 32], k[D / 32], g[D / 32];
   float beta;
-  float v;
 };
 
 template <int D, class A>
-__device__ inline void load_token(const A& a, int64_t batch, int64_t row, int h, int vrow, int lane,
-                                  TokenRaw<D>& t) {
+__device__ inline void load_token(const A& a, int64_t batch, int64_t row, int h, int lane, TokenRaw<D>& t) {
   constexpr int PC = D / 32;
   const int c0 = lane * PC;
   load_bf16_run<PC>(a.q + batch * a.q_sb + row * a.q_st + h * D + c0, a.vec_q, t.q);
@@ -88,11 +86,9 @@ __device__ inline void load_token(const A& a, int64_t batch, int64_t row, int h,
     load_bf16_run<PC>(static_cast<const bf16*>(a.g) + go, a.vec_g, t.g);
   }
   t.beta = load_scalar(a.beta, a.beta_fp32, batch * a.beta_sb + row * a.beta_st + h);
-  t.v = __bfloat162float(a.v[batch * a.v_sb + row * a.v_st + h * D + vrow]);
 }
 
-// Preprocesses a loaded token into the warp's buffer (spec section 2) and returns b.  The caller
-// __syncwarp()s between this and reading the buffer, and before the next call overwrites it.
+// Preprocesses a loaded token into a shared buffer (spec section 2) and returns b.
 template <int D, class A>
 __device__ inline float preprocess_token(const A& a, const TokenRaw<D>& t, float expA_h,
                                          const float (&dtb)[D / 32], TokenBuf<D>& buf, int lane) {
@@ -196,6 +192,53 @@ __device__ inline void store_state_row(void* row, int j, const float (&s)[16]) {
       *reinterpret_cast<uint2*>(static_cast<bf16*>(row) + col) = u;
     }
   }
+}
+
+// Tokens are handled kTokenChunk at a time: the block's warps preprocess them in parallel (two each)
+// into shared memory, one barrier, then every row group runs them back to back from shared memory.
+// So a chunk costs one memory round trip instead of one per token (the latency of a decode step is
+// a chain of dependent loads; this keeps the chain short).
+constexpr int kTokenChunk = 8;
+
+template <int D>
+struct TokenChunkSmem {
+  TokenBuf<D> tok[kTokenChunk];
+  float beta[kTokenChunk];
+};
+
+// Runs logical tokens [tok0, tok0 + nt) (nt <= kTokenChunk) of batch row `batch` on the thread's
+// state columns; calls per_token(i, o_v) after token tok0 + i.  Must be reached by all threads of
+// the block (it has two __syncthreads).
+template <int D, class A, class PerToken>
+__device__ inline void run_token_chunk(const A& a, int64_t batch, int64_t tok0, int nt, int h, int vrow, int j,
+                                       float expA, const float (&dtb)[D / 32], TokenChunkSmem<D>& sm,
+                                       float (&s)[16], PerToken per_token) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float vv[kTokenChunk];
+#pragma unroll
+  for (int i = 0; i < kTokenChunk; ++i) {
+    vv[i] = 0.f;
+    if (i < nt) {
+      const int64_t row = mapped_row(a, tok0 + i);
+      vv[i] = __bfloat162float(a.v[batch * a.v_sb + row * a.v_st + static_cast<int64_t>(h) * D + vrow]);
+    }
+  }
+#pragma unroll
+  for (int i0 = 0; i0 < kTokenChunk; i0 += kTokenWarps) {
+    const int i = i0 + warp;
+    if (i < nt) {
+      TokenRaw<D> raw;
+      load_token<D>(a, batch, mapped_row(a, tok0 + i), h, lane, raw);
+      const float b = preprocess_token<D>(a, raw, expA, dtb, sm.tok[i], lane);
+      if (lane == 0) sm.beta[i] = b;
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < kTokenChunk; ++i) {
+    if (i < nt) per_token(i, advance_row<D>(s, sm.tok[i], j, sm.beta[i], vv[i]));
+  }
+  __syncthreads();  // the buffers are rewritten by the next chunk
 }
 
 }  // namespace sm90
