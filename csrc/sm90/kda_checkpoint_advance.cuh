@@ -7,7 +7,7 @@
 // offsets (r = 0) need nothing and their blocks exit at once.
 //
 // Grid: (N x n_ckpt x V / kRowsPerBlock row slices, H).  Block: 4 warps; each thread holds 16 fp32
-// columns of one state row (TokenLayout); shared memory holds kTokenChunk = 8 preprocessed tokens
+// columns of two state rows (TokenLayout); shared memory holds kTokenChunk = 8 preprocessed tokens
 // (12 KB), filled by the warps in parallel, so 63 tokens cost 8 memory round trips, not 63.
 // Runs after state_recurrence on the same stream; does nothing when chunk_prepare flagged an input.
 #pragma once
@@ -25,11 +25,13 @@ __global__ void __launch_bounds__(kTokenWarps * 32) checkpoint_advance_kernel(co
   __shared__ __align__(16) TokenChunkSmem<D> sm;
   if (*reinterpret_cast<volatile int*>(a.error_word) != 0) return;  // bad inputs: write nothing
 
+  constexpr int kR = TL::kRowsPerThread;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;  // exits below are block-uniform
   const int64_t e = blockIdx.x / kSlices;  // (sequence, checkpoint) pair
   const int h = blockIdx.y;
-  const int vrow = static_cast<int>(blockIdx.x % kSlices) * TL::kRowsPerBlock + warp * TL::kRowsPerWarp +
-                   lane / TL::kLanesPerRow;
+  int vrow[kR];
+#pragma unroll
+  for (int q = 0; q < kR; ++q) vrow[q] = TL::row(static_cast<int>(blockIdx.x % kSlices), q, warp, lane);
   const int j = lane % TL::kLanesPerRow;
   const int64_t n = e / a.n_ckpt;
   if (state_row(a, n) < 0) return;  // padded sequence: its checkpoint rows stay untouched
@@ -38,19 +40,23 @@ __global__ void __launch_bounds__(kTokenWarps * 32) checkpoint_advance_kernel(co
   const int64_t first = (o / kChunk) * kChunk;  // tokens already in the stored state
   if (o <= first || o > sp.len) return;
 
-  float* row = a.ckpt_state + ((e * a.H + h) * D + vrow) * static_cast<int64_t>(D);
-  float s[16];
-  load_state_row<D, true>(row, j, s);
+  float* base = a.ckpt_state + (e * a.H + h) * static_cast<int64_t>(D) * D;
+  float s[kR][16];
+#pragma unroll
+  for (int q = 0; q < kR; ++q) load_state_row<D, true>(base + vrow[q] * D, j, s[q]);
   const bool gated = a.gate_mode != kGatePrecomputed;
   const float expA = gated ? expf(a.A_log[h]) : 0.f;
   float dtb[PC];
 #pragma unroll
   for (int i = 0; i < PC; ++i) dtb[i] = gated ? a.dt_bias[h * D + lane * PC + i] : 0.f;
+  TokenChunkRegs<D> regs;
   for (int64_t t0 = first; t0 < o; t0 += kTokenChunk) {
     const int nt = static_cast<int>(o - t0 < kTokenChunk ? o - t0 : kTokenChunk);
-    run_token_chunk<D>(a, sp.batch, sp.bos + t0, nt, h, vrow, j, expA, dtb, sm, s, [](int, float) {});
+    load_token_chunk<D>(a, sp.batch, sp.bos + t0, nt, h, vrow, regs);
+    compute_token_chunk<D>(a, nt, j, expA, dtb, sm, regs, s, [](int, const float (&)[kR]) {});
   }
-  store_state_row<D, true>(row, j, s);
+#pragma unroll
+  for (int q = 0; q < kR; ++q) store_state_row<D, true>(base + vrow[q] * D, j, s[q]);
 }
 
 }  // namespace sm90

@@ -3,16 +3,16 @@
 // (2-D indices: read pool[idx[n, acc[n] - 1]], write the state after token t to pool[idx[n, t]]).
 //
 // Grid: (N requests x V / kRowsPerBlock row slices, H).  Block: 4 warps, no specialisation; each
-// thread owns 16 columns of one state row in registers (kda_token_recurrence.cuh), so the state is
+// thread owns 16 columns of two state rows in registers (kda_token_recurrence.cuh), so the state is
 // read once from the pool, stays on chip across all of the request's tokens, and is written once per
 // write slot: the only state traffic is the unavoidable one.  Shared memory: kTokenChunk = 8
 // preprocessed tokens (3 x D fp32 each; 12 KB for D = 128), filled by the 4 warps in parallel.
 //
 // Memory-bound by design: per request and head the state is D x D x 4 bytes (64 KB for D = 128)
 // against ~1 KB of q/k/v/g per token, so the kernel must keep enough state bytes in flight: all 16
-// columns of a thread are loaded with four 16-byte loads issued back to back, before the index
-// checks below, and V is split over D / kRowsPerBlock blocks (8 for D = 128) so that even one request
-// of 16 heads spreads over 128 blocks.  The state load is issued right after the read slot is
+// columns of a thread are loaded with eight 16-byte loads issued back to back, before the index
+// checks below, and V is split over D / kRowsPerBlock blocks (4 for D = 128) so that even one request
+// of 16 heads spreads over 64 blocks.  The state load is issued right after the read slot is
 // known, before the other checks, so the chain of dependent memory round trips of a block is short:
 // read slot -> (state, tokens, checks) -> math -> stores.
 //
@@ -124,10 +124,11 @@ __device__ inline bool decode_conflicts(const DecodeArgs& a, int64_t n, int64_t 
 }
 
 template <int D, bool kF32>
-__global__ void __launch_bounds__(kTokenWarps * 32) decode_kernel(const DecodeArgs a) {
+__global__ void __launch_bounds__(kTokenWarps * 32, 4) decode_kernel(const DecodeArgs a) {
   using TL = TokenLayout<D>;
   using StateT = typename std::conditional<kF32, float, bf16>::type;
   constexpr int PC = TL::kColsPerLane;
+  constexpr int kR = TL::kRowsPerThread;
   constexpr int kSlices = D / TL::kRowsPerBlock;
   __shared__ __align__(16) TokenChunkSmem<D> sm;
   __shared__ int64_t s_slot[kTokenChunk], s_row[kTokenChunk];
@@ -135,22 +136,29 @@ __global__ void __launch_bounds__(kTokenWarps * 32) decode_kernel(const DecodeAr
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t n = blockIdx.x / kSlices;
   const int h = blockIdx.y;
-  const int vrow = static_cast<int>(blockIdx.x % kSlices) * TL::kRowsPerBlock + warp * TL::kRowsPerWarp +
-                   lane / TL::kLanesPerRow;
+  const int slice = static_cast<int>(blockIdx.x % kSlices);
+  int vrow[kR];
+#pragma unroll
+  for (int q = 0; q < kR; ++q) vrow[q] = TL::row(slice, q, warp, lane);
   const int j = lane % TL::kLanesPerRow;
-  const int64_t out_col = static_cast<int64_t>(h) * D + vrow;
   const int64_t head_rows = static_cast<int64_t>(a.H) * D;  // state rows per pool row
+  const int64_t out_col = static_cast<int64_t>(h) * D;
   StateT* pool = static_cast<StateT*>(a.pool);
 
-  // ---- 1. the read slot, then at once the state load (speculative: clamped into the pool, used
-  // only if every check below passes), overlapping the rest of the request's checks.
+  // ---- 1. the span, then at once the first token chunk's loads (they depend on nothing else; row
+  // indices are clamped, so this stays in bounds before token_rows is checked); the read slot, then
+  // at once the state load (speculative: clamped into the pool, used only if every check passes).
+  // Dependent round trips of a block: [cu] -> [acc] -> idx -> (state, tokens, checks) -> stores.
   int64_t batch, bos, len, read = -1;
   int err = decode_span(a, n, &batch, &bos, &len) ? 0 : static_cast<int>(DeviceError::kBadCuSeqlens);
+  TokenChunkRegs<D> regs;
+  if (len > 0) load_token_chunk<D>(a, batch, bos, len < kTokenChunk ? static_cast<int>(len) : kTokenChunk, h, vrow, regs);
   if (err == 0) err = decode_read_slot(a, n, len, &read);
-  float s[16];
+  float s[kR][16];
   if (read >= 0) {
     const int64_t r = read < a.pool_rows ? read : a.pool_rows - 1;
-    load_state_row<D, kF32>(pool + (r * head_rows + out_col) * D, j, s);
+#pragma unroll
+    for (int q = 0; q < kR; ++q) load_state_row<D, kF32>(pool + (r * head_rows + out_col + vrow[q]) * D, j, s[q]);
   }
   if (err == 0) {
     for (int64_t e = tid; e < a.slots; e += blockDim.x) {
@@ -163,7 +171,7 @@ __global__ void __launch_bounds__(kTokenWarps * 32) decode_kernel(const DecodeAr
       }
     }
   }
-  if (__syncthreads_or(err != 0)) {  // a bad request reads nothing more and writes nothing
+  if (__syncthreads_or(err != 0)) {  // a bad request writes nothing
     if (err != 0) atomicExch(a.error_word, err);
     return;
   }
@@ -171,7 +179,9 @@ __global__ void __launch_bounds__(kTokenWarps * 32) decode_kernel(const DecodeAr
   if (read < 0) {  // padded request: zero its outputs, touch no state
     if (j == 0) {
       for (int64_t t = 0; t < len; ++t) {
-        a.out[batch * a.out_sb + mapped_row(a, bos + t) * a.out_st + out_col] = __float2bfloat16_rn(0.f);
+        bf16* o = a.out + batch * a.out_sb + mapped_row(a, bos + t) * a.out_st + out_col;
+#pragma unroll
+        for (int q = 0; q < kR; ++q) o[vrow[q]] = __float2bfloat16_rn(0.f);
       }
     }
   } else {
@@ -184,26 +194,34 @@ __global__ void __launch_bounds__(kTokenWarps * 32) decode_kernel(const DecodeAr
     for (int i = 0; i < PC; ++i) dtb[i] = gated ? a.dt_bias[h * D + lane * PC + i] : 0.f;
     for (int64_t c0 = 0; c0 < len; c0 += kTokenChunk) {
       const int nt = static_cast<int>(len - c0 < kTokenChunk ? len - c0 : kTokenChunk);
+      if (c0 > 0) load_token_chunk<D>(a, batch, bos + c0, nt, h, vrow, regs);
       // Write slot and output row of each token: the same for the whole block, so kept in shared
-      // memory (published by run_token_chunk's first barrier, and protected by its last).
+      // memory (published by compute_token_chunk's first barrier, protected by its last).
       if (tid < nt) {
         s_slot[tid] = a.spec ? slot_at(a, n, c0 + tid) : -1;
         s_row[tid] = mapped_row(a, bos + c0 + tid);
       }
-      run_token_chunk<D>(a, batch, bos + c0, nt, h, vrow, j, expA, dtb, sm, s, [&](int i, float o) {
-        if (j == 0) a.out[batch * a.out_sb + s_row[i] * a.out_st + out_col] = __float2bfloat16_rn(o);
+      compute_token_chunk<D>(a, nt, j, expA, dtb, sm, regs, s, [&](int i, const float (&o)[kR]) {
+        bf16* orow = a.out + batch * a.out_sb + s_row[i] * a.out_st + out_col;
         const int64_t w = s_slot[i];
-        if (w >= 0) store_state_row<D, kF32>(pool + (w * head_rows + out_col) * D, j, s);
+#pragma unroll
+        for (int q = 0; q < kR; ++q) {
+          if (j == 0) orow[vrow[q]] = __float2bfloat16_rn(o[q]);
+          if (w >= 0) store_state_row<D, kF32>(pool + (w * head_rows + out_col + vrow[q]) * D, j, s[q]);
+        }
       });
     }
-    if (!a.spec && len > 0) store_state_row<D, kF32>(pool + (read * head_rows + out_col) * D, j, s);
+    if (!a.spec && len > 0) {
+#pragma unroll
+      for (int q = 0; q < kR; ++q) store_state_row<D, kF32>(pool + (read * head_rows + out_col + vrow[q]) * D, j, s[q]);
+    }
   }
 
   // ---- 3. one block per request (head 0, slice 0) checks that no other request touches a row this
   // one writes (or writes the row it reads), and reports a conflict.  It does not gate the writes:
   // that would put an O(N S^2) chain of loads in front of every block; the word tells the caller
   // that the rows involved are unspecified.
-  if (h != 0 || blockIdx.x % kSlices != 0 || read < 0) return;
+  if (h != 0 || slice != 0 || read < 0) return;
   int conflict = 0;
   if (a.spec) {
     for (int64_t e = tid; e < len * len; e += blockDim.x) {

@@ -9,8 +9,9 @@
 //
 // Thread layout: one row of D fp32 is split over LPR = D / 16 adjacent lanes, 16 columns each; lane
 // j of a row group holds columns 4 j + 4 LPR i + c (i, c < 4), so each of the four float4 loads of a
-// row group reads one contiguous segment of 4 LPR floats of the row (coalesced).  A warp
-// holds 32 / LPR rows, a block of kTokenWarps warps kRowsPerBlock rows (16 for D = 128, 32 for 64).
+// row group reads one contiguous segment of 4 LPR floats of the row (coalesced).  A warp covers
+// 32 / LPR rows at a time and each thread holds two rows, so a block of kTokenWarps warps holds
+// kRowsPerBlock rows (32 for D = 128, 64 for D = 64).
 // Tokens go kTokenChunk at a time: each warp preprocesses two of them (q, k, gate; D / 32 columns
 // per lane, l2 norms by warp shuffles) into shared memory, then every row group runs them.
 #pragma once
@@ -27,8 +28,16 @@ struct TokenLayout {
   static_assert(D == 64 || D == 128, "head dim");
   static constexpr int kLanesPerRow = D / 16;
   static constexpr int kRowsPerWarp = 32 / kLanesPerRow;
-  static constexpr int kRowsPerBlock = kTokenWarps * kRowsPerWarp;
+  // Each thread holds two rows (32 fp32 registers): twice the bytes per dependent-latency chain of
+  // a block, which is what bounds a decode step (measured: 1 row per thread reached ~50% of copy
+  // bandwidth at batch 64-256).
+  static constexpr int kRowsPerThread = 2;
+  static constexpr int kRowsPerBlock = kRowsPerThread * kTokenWarps * kRowsPerWarp;  // 32 / 64
   static constexpr int kColsPerLane = D / 32;  // preprocessing split
+  // Row r (< kRowsPerThread) of the thread: slice base + r * kRowsPerBlock / 2 + warp rows + lane row.
+  __device__ static int row(int slice, int r, int warp, int lane) {
+    return slice * kRowsPerBlock + r * (kRowsPerBlock / kRowsPerThread) + warp * kRowsPerWarp + lane / kLanesPerRow;
+  }
 };
 
 // Per-warp shared buffer of one preprocessed token.
@@ -206,37 +215,63 @@ struct TokenChunkSmem {
   float beta[kTokenChunk];
 };
 
-// Runs logical tokens [tok0, tok0 + nt) (nt <= kTokenChunk) of batch row `batch` on the thread's
-// state columns; calls per_token(i, o_v) after token tok0 + i.  Must be reached by all threads of
-// the block (it has two __syncthreads).
-template <int D, class A, class PerToken>
-__device__ inline void run_token_chunk(const A& a, int64_t batch, int64_t tok0, int nt, int h, int vrow, int j,
-                                       float expA, const float (&dtb)[D / 32], TokenChunkSmem<D>& sm,
-                                       float (&s)[16], PerToken per_token) {
+// The raw inputs of a token chunk held by one thread: the two tokens its warp preprocesses, and the
+// value-row entries of its own state rows for every token of the chunk.
+template <int D>
+struct TokenChunkRegs {
+  static constexpr int kR = TokenLayout<D>::kRowsPerThread;
+  TokenRaw<D> raw[kTokenChunk / kTokenWarps];
+  float v[kR][kTokenChunk];
+};
+
+// Issues the loads of logical tokens [tok0, tok0 + nt) (nt <= kTokenChunk); nothing waits on them
+// until compute_token_chunk, so a caller can issue them before unrelated work.
+template <int D, class A>
+__device__ inline void load_token_chunk(const A& a, int64_t batch, int64_t tok0, int nt, int h,
+                                        const int (&vrow)[TokenLayout<D>::kRowsPerThread], TokenChunkRegs<D>& r) {
+  constexpr int kR = TokenLayout<D>::kRowsPerThread;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  float vv[kTokenChunk];
 #pragma unroll
   for (int i = 0; i < kTokenChunk; ++i) {
-    vv[i] = 0.f;
     if (i < nt) {
-      const int64_t row = mapped_row(a, tok0 + i);
-      vv[i] = __bfloat162float(a.v[batch * a.v_sb + row * a.v_st + static_cast<int64_t>(h) * D + vrow]);
+      const int64_t base = batch * a.v_sb + mapped_row(a, tok0 + i) * a.v_st + static_cast<int64_t>(h) * D;
+#pragma unroll
+      for (int q = 0; q < kR; ++q) r.v[q][i] = __bfloat162float(a.v[base + vrow[q]]);
     }
   }
 #pragma unroll
-  for (int i0 = 0; i0 < kTokenChunk; i0 += kTokenWarps) {
-    const int i = i0 + warp;
+  for (int u = 0; u < kTokenChunk / kTokenWarps; ++u) {
+    const int i = u * kTokenWarps + warp;
+    if (i < nt) load_token<D>(a, batch, mapped_row(a, tok0 + i), h, lane, r.raw[u]);
+  }
+}
+
+// Preprocesses the chunk into shared memory (each warp its two tokens), then runs its tokens on
+// the thread's rows; calls per_token(i, o) with o[q] = output of row vrow[q] after token i.  Must
+// be reached by all threads of the block (two __syncthreads).
+template <int D, class A, class PerToken>
+__device__ inline void compute_token_chunk(const A& a, int nt, int j, float expA, const float (&dtb)[D / 32],
+                                           TokenChunkSmem<D>& sm, const TokenChunkRegs<D>& r,
+                                           float (&s)[TokenLayout<D>::kRowsPerThread][16], PerToken per_token) {
+  constexpr int kR = TokenLayout<D>::kRowsPerThread;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int u = 0; u < kTokenChunk / kTokenWarps; ++u) {
+    const int i = u * kTokenWarps + warp;
     if (i < nt) {
-      TokenRaw<D> raw;
-      load_token<D>(a, batch, mapped_row(a, tok0 + i), h, lane, raw);
-      const float b = preprocess_token<D>(a, raw, expA, dtb, sm.tok[i], lane);
+      const float b = preprocess_token<D>(a, r.raw[u], expA, dtb, sm.tok[i], lane);
       if (lane == 0) sm.beta[i] = b;
     }
   }
   __syncthreads();
 #pragma unroll
   for (int i = 0; i < kTokenChunk; ++i) {
-    if (i < nt) per_token(i, advance_row<D>(s, sm.tok[i], j, sm.beta[i], vv[i]));
+    if (i < nt) {
+      float o[kR];
+#pragma unroll
+      for (int q = 0; q < kR; ++q) o[q] = advance_row<D>(s[q], sm.tok[i], j, sm.beta[i], r.v[q][i]);
+      per_token(i, o);
+    }
   }
   __syncthreads();  // the buffers are rewritten by the next chunk
 }

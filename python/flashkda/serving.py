@@ -248,6 +248,11 @@ def kda_step(
             raise ValueError(f"flashkda: argument 'workspace': expected at least {need} bytes "
                              f"(flashkda.serving.step_workspace_size), got {workspace.numel()} bytes")
         ws_decode, ws_spec, ws_prefill = _regions(workspace)
+        # Each op clears its own error word; clear those of the groups this step does not run, so that
+        # read_step_errors() reports this step alone (an async memset: graph-safe, no host sync).
+        for grp, ws in ((prefill, ws_prefill), (decode, ws_decode), (spec, ws_spec)):
+            if grp is None:
+                torch.ops.flashkda.clear_device_error(ws)
 
     opts = dict(scale=0.0 if scale is None else float(scale), gate_mode=gate_mode, A_log=A_log, dt_bias=dt_bias,
                 lower_bound=float(lower_bound), use_qk_l2norm=bool(use_qk_l2norm),

@@ -97,7 +97,7 @@ def test_checkpoints_with_state_pool(gen, state_dtype):
     before = pool.clone()
     idx = torch.tensor([3, -1, 0], dtype=torch.int32, device=DEV)
     has = torch.tensor([True, True, False], device=DEV)
-    offsets = torch.tensor([[0, 50, 70], [1, 2, 3], [0, 64, 129]], device=DEV)
+    offsets = torch.tensor([[0, 50, 70], [1, 2, 3], [0, 129, 130]], device=DEV)
     kw = dict(initial_state=pool, final_state=pool, state_indices=idx, has_initial_state=has)
     _, _, ckpt, ws = _run_with_checkpoints(dict(inp, initial_state=pool), offsets, **kw)
     assert flashkda.read_device_error(ws) == 0
@@ -107,6 +107,8 @@ def test_checkpoints_with_state_pool(gen, state_dtype):
     _, ref = R.prefill(**_prefix(inp, 0, 50), **_gate(inp), initial_state=before[3:4].float())
     assert rel_err(ckpt[0, 1], ref[0]) <= STATE_TOL
     _, ref = R.prefill(**_prefix(inp, 2, 129), **_gate(inp))
+    assert rel_err(ckpt[2, 1], ref[0]) <= STATE_TOL
+    _, ref = R.prefill(**_prefix(inp, 2, 130), **_gate(inp))
     assert rel_err(ckpt[2, 2], ref[0]) <= STATE_TOL
     tol = STATE_TOL if state_dtype == torch.float32 else 1e-2
     assert rel_err(pool[0].float(), ckpt[2, 2]) <= tol  # the last offset is the final state
