@@ -207,7 +207,8 @@ def test_kda_step_cuda_graph_replay_with_new_data(seed):
 
 
 # ---------------------------------------------------------------------------------------------
-# Device-side validation: a bad token row is reported per group, and that group's call writes nothing
+# Device-side validation: a bad token row is reported per group; the prefill call then writes nothing,
+# the decode call skips the request that owns the row
 
 @pytest.mark.parametrize("group", ["prefill", "decode", "spec"])
 def test_bad_token_row_is_a_device_error(group, seed):
@@ -227,7 +228,16 @@ def test_bad_token_row_is_a_device_error(group, seed):
     assert errors[group] == 3, f"seed {seed}: {errors}"  # kBadTokenRow
     assert flashkda.DEVICE_ERRORS[3] == "token_rows holds a value outside [0, rows)"
     assert all(code == 0 for name, code in errors.items() if name != group)
-    assert torch.all(out == SENTINEL) and torch.equal(pool, before), f"seed {seed}: written despite the error"
+    if group == "prefill":  # the prefill refuses the whole call
+        assert torch.all(out == SENTINEL) and torch.equal(pool, before), f"seed {seed}: written despite the error"
+    else:  # decode skips the offending request (the last one here): none of its rows or slots is written
+        cu = grp.cu_seqlens.tolist() if grp.cu_seqlens is not None else list(range(rows.numel() + 1))
+        own = rows[cu[-2]:cu[-1] - 1]  # the request's valid token rows (its last one is the bad row)
+        assert torch.all(out[:, own] == SENTINEL), f"seed {seed}: the bad request wrote its output"
+        slots = grp.state_indices[-1].reshape(-1).tolist()
+        for r in slots:
+            if r >= 0:
+                assert torch.equal(pool[r], before[r]), f"seed {seed}: the bad request wrote pool row {r}"
 
 
 def test_read_step_errors_reports_each_group(seed):
