@@ -5,8 +5,10 @@
 // Grid: (N requests x V / kRowsPerBlock row slices, H).  Block: 4 warps, no specialisation; each
 // thread owns 16 columns of two state rows in registers (kda_token_recurrence.cuh), so the state is
 // read once from the pool, stays on chip across all of the request's tokens, and is written once per
-// write slot: the only state traffic is the unavoidable one.  Shared memory: kTokenChunk = 8
-// preprocessed tokens (3 x D fp32 each; 12 KB for D = 128), filled by the 4 warps in parallel.
+// write slot: the only state traffic is the unavoidable one.  No block barrier: each warp checks
+// the request and preprocesses kWarpTokens = 2 tokens at a time itself into its own shared buffer
+// (3 x D fp32 per token; 12 KB per block for D = 128); the next 2 tokens' loads fly while the
+// current 2 run.
 //
 // Memory-bound by design: per request and head the state is D x D x 4 bytes (64 KB for D = 128)
 // against ~1 KB of q/k/v/g per token, so the kernel must keep enough state bytes in flight: all 16
@@ -16,12 +18,12 @@
 // known, before the other checks, so the chain of dependent memory round trips of a block is short:
 // read slot -> (state, tokens, checks) -> math -> stores.
 //
-// Device-side validation (the host cannot read CUDA index values without a sync): every block of a
+// Device-side validation (the host cannot read CUDA index values without a sync): every warp of a
 // request checks the request's cu_seqlens pair, num_accepted_tokens, all its index entries (< P),
 // and its token_rows; a request that fails reads nothing more, writes nothing (neither out nor pool)
 // and records its DeviceError code in the workspace error word, other requests run.  Pool-row
 // conflicts between requests (a row written twice, or written by one and read by another) are
-// checked by one block per request after its work and reported (kStateSlotConflict); the rows
+// checked by one warp per request after its work and reported (kStateSlotConflict); the rows
 // involved are then unspecified, but every access stays inside the pool.  The host clears the word
 // before each call.
 #pragma once
@@ -123,6 +125,31 @@ __device__ inline bool decode_conflicts(const DecodeArgs& a, int64_t n, int64_t 
   return false;
 }
 
+// Tokens a warp loads and preprocesses at once (registers: 13 floats per lane and token; 4 spilled
+// ~200 bytes at the 128-register cap that gives 4 blocks per SM, 2 spill 24).
+constexpr int kWarpTokens = 2;
+
+template <int D, class A>
+__device__ inline void load_warp_tokens(const A& a, int64_t batch, int64_t tok0, int nt, int h,
+                                        const int (&vrow)[TokenLayout<D>::kRowsPerThread], int lane,
+                                        TokenRaw<D> (&raw)[kWarpTokens],
+                                        float (&vv)[TokenLayout<D>::kRowsPerThread][kWarpTokens]) {
+  constexpr int kR = TokenLayout<D>::kRowsPerThread;
+#pragma unroll
+  for (int i = 0; i < kWarpTokens; ++i) {
+    if (i < nt) {
+      const int64_t row = mapped_row(a, tok0 + i);
+      load_token<D>(a, batch, row, h, lane, raw[i]);
+      const int64_t base = batch * a.v_sb + row * a.v_st + static_cast<int64_t>(h) * D;
+#pragma unroll
+      for (int q = 0; q < kR; ++q) vv[q][i] = __bfloat162float(a.v[base + vrow[q]]);
+    }
+  }
+}
+
+// Every warp works on its own: it checks the request, preprocesses the request's tokens itself
+// (redundantly with the block's other warps: a few hundred bytes from L2 against 16 KB of state per
+// warp) and synchronises only with __syncwarp, so no warp ever waits for another at a barrier.
 template <int D, bool kF32>
 __global__ void __launch_bounds__(kTokenWarps * 32, 4) decode_kernel(const DecodeArgs a) {
   using TL = TokenLayout<D>;
@@ -130,10 +157,9 @@ __global__ void __launch_bounds__(kTokenWarps * 32, 4) decode_kernel(const Decod
   constexpr int PC = TL::kColsPerLane;
   constexpr int kR = TL::kRowsPerThread;
   constexpr int kSlices = D / TL::kRowsPerBlock;
-  __shared__ __align__(16) TokenChunkSmem<D> sm;
-  __shared__ int64_t s_slot[kTokenChunk], s_row[kTokenChunk];
+  __shared__ __align__(16) TokenBuf<D> sbuf[kTokenWarps][kWarpTokens];
 
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t n = blockIdx.x / kSlices;
   const int h = blockIdx.y;
   const int slice = static_cast<int>(blockIdx.x % kSlices);
@@ -145,14 +171,18 @@ __global__ void __launch_bounds__(kTokenWarps * 32, 4) decode_kernel(const Decod
   const int64_t out_col = static_cast<int64_t>(h) * D;
   StateT* pool = static_cast<StateT*>(a.pool);
 
-  // ---- 1. the span, then at once the first token chunk's loads (they depend on nothing else; row
-  // indices are clamped, so this stays in bounds before token_rows is checked); the read slot, then
-  // at once the state load (speculative: clamped into the pool, used only if every check passes).
-  // Dependent round trips of a block: [cu] -> [acc] -> idx -> (state, tokens, checks) -> stores.
+  // ---- 1. the span, then at once the first tokens' loads (they depend on nothing else; rows are
+  // clamped, so this stays in bounds before token_rows is checked); the read slot, then at once the
+  // state load (speculative: clamped into the pool, used only if every check passes).
+  // Dependent round trips: [cu] -> [acc] -> idx -> (state, tokens, checks) -> stores.
   int64_t batch, bos, len, read = -1;
   int err = decode_span(a, n, &batch, &bos, &len) ? 0 : static_cast<int>(DeviceError::kBadCuSeqlens);
-  TokenChunkRegs<D> regs;
-  if (len > 0) load_token_chunk<D>(a, batch, bos, len < kTokenChunk ? static_cast<int>(len) : kTokenChunk, h, vrow, regs);
+  TokenRaw<D> raw[kWarpTokens];
+  float vv[kR][kWarpTokens];
+  if (len > 0) {
+    load_warp_tokens<D>(a, batch, bos, len < kWarpTokens ? static_cast<int>(len) : kWarpTokens, h, vrow, lane,
+                        raw, vv);
+  }
   if (err == 0) err = decode_read_slot(a, n, len, &read);
   float s[kR][16];
   if (read >= 0) {
@@ -161,17 +191,17 @@ __global__ void __launch_bounds__(kTokenWarps * 32, 4) decode_kernel(const Decod
     for (int q = 0; q < kR; ++q) load_state_row<D, kF32>(pool + (r * head_rows + out_col + vrow[q]) * D, j, s[q]);
   }
   if (err == 0) {
-    for (int64_t e = tid; e < a.slots; e += blockDim.x) {
+    for (int64_t e = lane; e < a.slots; e += 32) {
       if (slot_at(a, n, e) >= a.pool_rows) err = static_cast<int>(DeviceError::kBadStateIndex);
     }
     if (a.token_rows != nullptr) {
-      for (int64_t t = tid; t < len; t += blockDim.x) {
+      for (int64_t t = lane; t < len; t += 32) {
         const int64_t r = load_index(a.token_rows, a.rows_int64, bos + t);
         if (r < 0 || r >= a.num_rows) err = static_cast<int>(DeviceError::kBadTokenRow);
       }
     }
   }
-  if (__syncthreads_or(err != 0)) {  // a bad request writes nothing
+  if (__any_sync(0xffffffffu, err != 0)) {  // a bad request writes nothing
     if (err != 0) atomicExch(a.error_word, err);
     return;
   }
@@ -185,31 +215,43 @@ __global__ void __launch_bounds__(kTokenWarps * 32, 4) decode_kernel(const Decod
       }
     }
   } else {
-    // ---- 2. the tokens, kTokenChunk at a time: the state stays in registers; out and (spec) the
+    // ---- 2. the tokens, kWarpTokens at a time: the state stays in registers; out and (spec) the
     // write slot of each token.
     const bool gated = a.gate_mode != kGatePrecomputed;
     const float expA = gated ? expf(a.A_log[h]) : 0.f;
     float dtb[PC];
 #pragma unroll
     for (int i = 0; i < PC; ++i) dtb[i] = gated ? a.dt_bias[h * D + lane * PC + i] : 0.f;
-    for (int64_t c0 = 0; c0 < len; c0 += kTokenChunk) {
-      const int nt = static_cast<int>(len - c0 < kTokenChunk ? len - c0 : kTokenChunk);
-      if (c0 > 0) load_token_chunk<D>(a, batch, bos + c0, nt, h, vrow, regs);
-      // Write slot and output row of each token: the same for the whole block, so kept in shared
-      // memory (published by compute_token_chunk's first barrier, protected by its last).
-      if (tid < nt) {
-        s_slot[tid] = a.spec ? slot_at(a, n, c0 + tid) : -1;
-        s_row[tid] = mapped_row(a, bos + c0 + tid);
-      }
-      compute_token_chunk<D>(a, nt, j, expA, dtb, sm, regs, s, [&](int i, const float (&o)[kR]) {
-        bf16* orow = a.out + batch * a.out_sb + s_row[i] * a.out_st + out_col;
-        const int64_t w = s_slot[i];
+    for (int64_t c0 = 0; c0 < len; c0 += kWarpTokens) {
+      const int nt = static_cast<int>(len - c0 < kWarpTokens ? len - c0 : kWarpTokens);
+      float b[kWarpTokens], vcur[kR][kWarpTokens];
 #pragma unroll
-        for (int q = 0; q < kR; ++q) {
-          if (j == 0) orow[vrow[q]] = __float2bfloat16_rn(o[q]);
-          if (w >= 0) store_state_row<D, kF32>(pool + (w * head_rows + out_col + vrow[q]) * D, j, s[q]);
+      for (int i = 0; i < kWarpTokens; ++i) {
+        if (i < nt) b[i] = preprocess_token<D>(a, raw[i], expA, dtb, sbuf[warp][i], lane);
+#pragma unroll
+        for (int q = 0; q < kR; ++q) vcur[q][i] = vv[q][i];
+      }
+      __syncwarp();
+      // raw is free again: the next chunk's loads fly while this chunk runs.
+      const int64_t c1 = c0 + kWarpTokens;
+      if (c1 < len) {
+        load_warp_tokens<D>(a, batch, bos + c1, len - c1 < kWarpTokens ? static_cast<int>(len - c1) : kWarpTokens, h,
+                            vrow, lane, raw, vv);
+      }
+#pragma unroll
+      for (int i = 0; i < kWarpTokens; ++i) {
+        if (i < nt) {
+          const int64_t w = a.spec ? slot_at(a, n, c0 + i) : -1;
+          bf16* orow = a.out + batch * a.out_sb + mapped_row(a, bos + c0 + i) * a.out_st + out_col;
+#pragma unroll
+          for (int q = 0; q < kR; ++q) {
+            const float o = advance_row<D>(s[q], sbuf[warp][i], j, b[i], vcur[q][i]);
+            if (j == 0) orow[vrow[q]] = __float2bfloat16_rn(o);
+            if (w >= 0) store_state_row<D, kF32>(pool + (w * head_rows + out_col + vrow[q]) * D, j, s[q]);
+          }
         }
-      });
+      }
+      __syncwarp();  // the buffer is rewritten by the next chunk
     }
     if (!a.spec && len > 0) {
 #pragma unroll
@@ -217,14 +259,14 @@ __global__ void __launch_bounds__(kTokenWarps * 32, 4) decode_kernel(const Decod
     }
   }
 
-  // ---- 3. one block per request (head 0, slice 0) checks that no other request touches a row this
-  // one writes (or writes the row it reads), and reports a conflict.  It does not gate the writes:
-  // that would put an O(N S^2) chain of loads in front of every block; the word tells the caller
-  // that the rows involved are unspecified.
-  if (h != 0 || slice != 0 || read < 0) return;
+  // ---- 3. one warp per request (head 0, slice 0, warp 0) checks that no other request touches a
+  // row this one writes (or writes the row it reads), and reports a conflict.  It does not gate the
+  // writes: that would put an O(N S^2) chain of loads in front of every block; the word tells the
+  // caller that the rows involved are unspecified.
+  if (h != 0 || slice != 0 || warp != 0 || read < 0) return;
   int conflict = 0;
   if (a.spec) {
-    for (int64_t e = tid; e < len * len; e += blockDim.x) {
+    for (int64_t e = lane; e < len * len; e += 32) {
       const int64_t t1 = e / len, t2 = e % len;
       if (t1 < t2) {
         const int64_t w1 = slot_at(a, n, t1);
@@ -232,7 +274,7 @@ __global__ void __launch_bounds__(kTokenWarps * 32, 4) decode_kernel(const Decod
       }
     }
   }
-  for (int64_t m = tid; m < a.N; m += blockDim.x) {
+  for (int64_t m = lane; m < a.N; m += 32) {
     if (m != n && decode_conflicts(a, n, len, read, m)) conflict = 1;
   }
   if (conflict) atomicExch(a.error_word, static_cast<int>(DeviceError::kStateSlotConflict));
