@@ -27,7 +27,7 @@ __global__ void __launch_bounds__(kTokenWarps * 32) checkpoint_advance_kernel(co
 
   constexpr int kR = TL::kRowsPerThread;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;  // exits below are block-uniform
-  const int64_t e = blockIdx.x / kSlices;  // (sequence, checkpoint) pair
+  const int64_t e = blockIdx.x / kSlices;                      // (sequence, checkpoint) pair
   const int h = blockIdx.y;
   int vrow[kR];
 #pragma unroll
@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(kTokenWarps * 32) checkpoint_advance_kernel(co
   for (int64_t t0 = first; t0 < o; t0 += kTokenChunk) {
     const int nt = static_cast<int>(o - t0 < kTokenChunk ? o - t0 : kTokenChunk);
     load_token_chunk<D>(a, sp.batch, sp.bos + t0, nt, h, vrow, regs);
-    compute_token_chunk<D>(a, nt, j, expA, dtb, sm, regs, s, [](int, const float (&)[kR]) {});
+    compute_token_chunk<D>(a, nt, j, expA, dtb, sm, regs, s, [](int, const float(&)[kR]) {});
   }
 #pragma unroll
   for (int q = 0; q < kR; ++q) store_state_row<D, true>(base + vrow[q] * D, j, s[q]);

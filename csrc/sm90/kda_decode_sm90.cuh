@@ -74,7 +74,8 @@ struct DecodeArgs {
 };
 
 // Request n's tokens; false when its cu_seqlens pair is invalid (the span is then empty).
-__device__ inline bool decode_span(const DecodeArgs& a, int64_t n, int64_t* batch, int64_t* bos, int64_t* len) {
+__device__ inline bool decode_span(const DecodeArgs& a, int64_t n, int64_t* batch, int64_t* bos,
+                                   int64_t* len) {
   if (a.cu_seqlens == nullptr) {
     *batch = n, *bos = 0, *len = a.T;
     return true;
@@ -107,7 +108,8 @@ __device__ inline int decode_read_slot(const DecodeArgs& a, int64_t n, int64_t l
 
 // True when request m (!= n, valid, not padded) reads or writes a row that n writes, or writes a
 // row that n reads.
-__device__ inline bool decode_conflicts(const DecodeArgs& a, int64_t n, int64_t len, int64_t read, int64_t m) {
+__device__ inline bool decode_conflicts(const DecodeArgs& a, int64_t n, int64_t len, int64_t read,
+                                        int64_t m) {
   int64_t bm, bosm, lenm, readm = -1;
   if (!decode_span(a, m, &bm, &bosm, &lenm)) return false;  // m is skipped (and flagged) itself
   if (decode_read_slot(a, m, lenm, &readm) != 0 || readm < 0) return false;
@@ -149,9 +151,9 @@ __device__ inline void load_warp_tokens(const A& a, int64_t batch, int64_t tok0,
   }
 }
 
-// Plain decode (1-D indices).  Every warp works on its own: it checks the request, preprocesses the request's tokens itself
-// (redundantly with the block's other warps: a few hundred bytes from L2 against 16 KB of state per
-// warp) and synchronises only with __syncwarp, so no warp ever waits for another at a barrier.
+// Plain decode (1-D indices).  Every warp works on its own: it checks the request, preprocesses the request's
+// tokens itself (redundantly with the block's other warps: a few hundred bytes from L2 against 16 KB of state
+// per warp) and synchronises only with __syncwarp, so no warp ever waits for another at a barrier.
 template <int D, bool kF32>
 __global__ void __launch_bounds__(kTokenWarps * 32, 4) decode_warp_kernel(const DecodeArgs a) {
   using TL = TokenLayout<D>;
@@ -190,7 +192,8 @@ __global__ void __launch_bounds__(kTokenWarps * 32, 4) decode_warp_kernel(const 
   if (read >= 0) {
     const int64_t r = read < a.pool_rows ? read : a.pool_rows - 1;
 #pragma unroll
-    for (int q = 0; q < kR; ++q) load_state_row<D, kF32>(pool + (r * head_rows + out_col + vrow[q]) * D, j, s[q]);
+    for (int q = 0; q < kR; ++q)
+      load_state_row<D, kF32>(pool + (r * head_rows + out_col + vrow[q]) * D, j, s[q]);
   }
   if (err == 0) {
     for (int64_t e = lane; e < a.slots; e += 32) {
@@ -237,8 +240,9 @@ __global__ void __launch_bounds__(kTokenWarps * 32, 4) decode_warp_kernel(const 
       // raw is free again: the next chunk's loads fly while this chunk runs.
       const int64_t c1 = c0 + kWarpTokens;
       if (c1 < len) {
-        load_warp_tokens<D>(a, batch, bos + c1, len - c1 < kWarpTokens ? static_cast<int>(len - c1) : kWarpTokens, h,
-                            vrow, lane, raw, vv);
+        load_warp_tokens<D>(a, batch, bos + c1,
+                            len - c1 < kWarpTokens ? static_cast<int>(len - c1) : kWarpTokens, h, vrow, lane,
+                            raw, vv);
       }
 #pragma unroll
       for (int i = 0; i < kWarpTokens; ++i) {
@@ -257,7 +261,8 @@ __global__ void __launch_bounds__(kTokenWarps * 32, 4) decode_warp_kernel(const 
     }
     if (!a.spec && len > 0) {
 #pragma unroll
-      for (int q = 0; q < kR; ++q) store_state_row<D, kF32>(pool + (read * head_rows + out_col + vrow[q]) * D, j, s[q]);
+      for (int q = 0; q < kR; ++q)
+        store_state_row<D, kF32>(pool + (read * head_rows + out_col + vrow[q]) * D, j, s[q]);
     }
   }
 
@@ -314,13 +319,16 @@ __global__ void __launch_bounds__(kTokenWarps * 32, 4) decode_chunked_kernel(con
   int64_t batch, bos, len, read = -1;
   int err = decode_span(a, n, &batch, &bos, &len) ? 0 : static_cast<int>(DeviceError::kBadCuSeqlens);
   TokenChunkRegs<D> regs;
-  if (len > 0) load_token_chunk<D>(a, batch, bos, len < kTokenChunk ? static_cast<int>(len) : kTokenChunk, h, vrow, regs);
+  if (len > 0)
+    load_token_chunk<D>(a, batch, bos, len < kTokenChunk ? static_cast<int>(len) : kTokenChunk, h, vrow,
+                        regs);
   if (err == 0) err = decode_read_slot(a, n, len, &read);
   float s[kR][16];
   if (read >= 0) {
     const int64_t r = read < a.pool_rows ? read : a.pool_rows - 1;
 #pragma unroll
-    for (int q = 0; q < kR; ++q) load_state_row<D, kF32>(pool + (r * head_rows + out_col + vrow[q]) * D, j, s[q]);
+    for (int q = 0; q < kR; ++q)
+      load_state_row<D, kF32>(pool + (r * head_rows + out_col + vrow[q]) * D, j, s[q]);
   }
   if (err == 0) {
     for (int64_t e = tid; e < a.slots; e += blockDim.x) {
@@ -363,7 +371,7 @@ __global__ void __launch_bounds__(kTokenWarps * 32, 4) decode_chunked_kernel(con
         s_slot[tid] = a.spec ? slot_at(a, n, c0 + tid) : -1;
         s_row[tid] = mapped_row(a, bos + c0 + tid);
       }
-      compute_token_chunk<D>(a, nt, j, expA, dtb, sm, regs, s, [&](int i, const float (&o)[kR]) {
+      compute_token_chunk<D>(a, nt, j, expA, dtb, sm, regs, s, [&](int i, const float(&o)[kR]) {
         bf16* orow = a.out + batch * a.out_sb + s_row[i] * a.out_st + out_col;
         const int64_t w = s_slot[i];
 #pragma unroll
@@ -375,7 +383,8 @@ __global__ void __launch_bounds__(kTokenWarps * 32, 4) decode_chunked_kernel(con
     }
     if (!a.spec && len > 0) {
 #pragma unroll
-      for (int q = 0; q < kR; ++q) store_state_row<D, kF32>(pool + (read * head_rows + out_col + vrow[q]) * D, j, s[q]);
+      for (int q = 0; q < kR; ++q)
+        store_state_row<D, kF32>(pool + (read * head_rows + out_col + vrow[q]) * D, j, s[q]);
     }
   }
 
@@ -400,14 +409,14 @@ __global__ void __launch_bounds__(kTokenWarps * 32, 4) decode_chunked_kernel(con
   if (conflict) atomicExch(a.error_word, static_cast<int>(DeviceError::kStateSlotConflict));
 }
 
-
 template <int D, bool kF32>
 Status launch_decode(const DecodeArgs& a, cudaStream_t stream) {
   using TL = TokenLayout<D>;
   if (a.N <= 0 || a.H <= 0) return Status::ok_status();
   const int64_t blocks = static_cast<int64_t>(a.N) * (D / TL::kRowsPerBlock);
   if (blocks > 0x7fffffff || a.H > 65535) {
-    return Status::invalid("flashkda: argument 'q': expected at most 65535 heads and 2^31 decode blocks, got more");
+    return Status::invalid(
+        "flashkda: argument 'q': expected at most 65535 heads and 2^31 decode blocks, got more");
   }
   dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(a.H));
   if (a.spec) {

@@ -33,10 +33,11 @@ struct TokenLayout {
   // bandwidth at batch 64-256).
   static constexpr int kRowsPerThread = 2;
   static constexpr int kRowsPerBlock = kRowsPerThread * kTokenWarps * kRowsPerWarp;  // 32 / 64
-  static constexpr int kColsPerLane = D / 32;  // preprocessing split
+  static constexpr int kColsPerLane = D / 32;                                        // preprocessing split
   // Row r (< kRowsPerThread) of the thread: slice base + r * kRowsPerBlock / 2 + warp rows + lane row.
   __device__ static int row(int slice, int r, int warp, int lane) {
-    return slice * kRowsPerBlock + r * (kRowsPerBlock / kRowsPerThread) + warp * kRowsPerWarp + lane / kLanesPerRow;
+    return slice * kRowsPerBlock + r * (kRowsPerBlock / kRowsPerThread) + warp * kRowsPerWarp +
+           lane / kLanesPerRow;
   }
 };
 
@@ -228,7 +229,8 @@ struct TokenChunkRegs {
 // until compute_token_chunk, so a caller can issue them before unrelated work.
 template <int D, class A>
 __device__ inline void load_token_chunk(const A& a, int64_t batch, int64_t tok0, int nt, int h,
-                                        const int (&vrow)[TokenLayout<D>::kRowsPerThread], TokenChunkRegs<D>& r) {
+                                        const int (&vrow)[TokenLayout<D>::kRowsPerThread],
+                                        TokenChunkRegs<D>& r) {
   constexpr int kR = TokenLayout<D>::kRowsPerThread;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
@@ -252,7 +254,8 @@ __device__ inline void load_token_chunk(const A& a, int64_t batch, int64_t tok0,
 template <int D, class A, class PerToken>
 __device__ inline void compute_token_chunk(const A& a, int nt, int j, float expA, const float (&dtb)[D / 32],
                                            TokenChunkSmem<D>& sm, const TokenChunkRegs<D>& r,
-                                           float (&s)[TokenLayout<D>::kRowsPerThread][16], PerToken per_token) {
+                                           float (&s)[TokenLayout<D>::kRowsPerThread][16],
+                                           PerToken per_token) {
   constexpr int kR = TokenLayout<D>::kRowsPerThread;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll

@@ -151,9 +151,9 @@ Status run(const PrefillParams& p, void* workspace, size_t workspace_bytes, Stre
 // Device-side input errors recorded by the last run() that used this workspace.
 enum class DeviceError : int32_t {
   kNone = 0,
-  kBadCuSeqlens = 1,   // cu_seqlens not non-decreasing from 0 to T
-  kBadStateIndex = 2,  // state_indices out of [0, P) (negative means padding and is allowed)
-  kBadTokenRow = 3,    // token_rows value out of [0, rows)
+  kBadCuSeqlens = 1,         // cu_seqlens not non-decreasing from 0 to T
+  kBadStateIndex = 2,        // state_indices out of [0, P) (negative means padding and is allowed)
+  kBadTokenRow = 3,          // token_rows value out of [0, rows)
   kBadCheckpointOffset = 4,  // checkpoint_offsets outside [0, length] or decreasing along a row
   kBadAcceptedCount = 5,     // num_accepted_tokens outside [1, S]
   kStateSlotConflict = 6,    // a pool row written twice, or written by one request and read by another
