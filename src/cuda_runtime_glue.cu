@@ -85,43 +85,66 @@ Status clear_device_error(void* workspace, Stream stream) {
 
 namespace detail {
 
-Status run_prefill_cuda(const PrefillParams& p, const ProblemShape& shape, void* workspace, Stream stream) {
+// Checks every CUDA entry point makes before touching the device: workspace alignment (the kernels
+// store 16-byte words into it) and a supported GPU.
+Status check_cuda_call(const TensorRef& q, const void* workspace) {
   if (!aligned16(workspace)) {
     return Status::invalid(
         "flashkda: argument 'workspace': expected a 16-byte aligned pointer, got an unaligned one");
   }
-  Status st = cuda_device_supported(p.q.device_index);
+  return cuda_device_supported(q.device_index);
+}
+
+// The fields PrefillArgs and DecodeArgs share (same names): token inputs and their strides, dtypes,
+// vector-load flags, gate parameters, cu_seqlens, the token_rows map, the per-token options and the
+// error word.  Params is PrefillParams or DecodeParams, validated.
+template <class Args, class Params>
+void fill_token_args(Args* a, const Params& p, int64_t head_dim, void* workspace) {
+  a->q = static_cast<const sm90::bf16*>(p.q.data);
+  a->k = static_cast<const sm90::bf16*>(p.k.data);
+  a->v = static_cast<const sm90::bf16*>(p.v.data);
+  a->g = p.g.data;
+  a->beta = p.beta.data;
+  a->out = static_cast<sm90::bf16*>(p.out.data);
+  a->q_sb = p.q.strides[0], a->q_st = p.q.strides[1];
+  a->k_sb = p.k.strides[0], a->k_st = p.k.strides[1];
+  a->v_sb = p.v.strides[0], a->v_st = p.v.strides[1];
+  a->g_sb = p.g.strides[0], a->g_st = p.g.strides[1];
+  a->beta_sb = p.beta.strides[0], a->beta_st = p.beta.strides[1];
+  a->out_sb = p.out.strides[0], a->out_st = p.out.strides[1];
+  a->g_fp32 = p.g.dtype == DType::kFloat32;
+  a->beta_fp32 = p.beta.dtype == DType::kFloat32;
+  a->vec_q = vec_ok(p.q, 8);
+  a->vec_k = vec_ok(p.k, 8);
+  a->vec_g = vec_ok(p.g, a->g_fp32 ? 4 : 8);
+  const bool gated = p.gate_mode != GateMode::kPrecomputed;
+  a->A_log = gated ? static_cast<const float*>(p.A_log.data) : nullptr;
+  a->dt_bias = gated ? static_cast<const float*>(p.dt_bias.data) : nullptr;
+  a->cu_seqlens = p.cu_seqlens.defined() ? p.cu_seqlens.data : nullptr;
+  a->cu_int64 = p.cu_seqlens.defined() && p.cu_seqlens.dtype == DType::kInt64;
+  a->token_rows = p.token_rows.defined() ? p.token_rows.data : nullptr;
+  a->rows_int64 = p.token_rows.defined() && p.token_rows.dtype == DType::kInt64;
+  a->num_rows = p.q.sizes[1];
+  a->gate_mode = static_cast<int>(p.gate_mode);
+  a->l2norm = p.use_qk_l2norm;
+  a->beta_sigmoid = p.use_beta_sigmoid;
+  a->scale = p.scale > 0.f ? p.scale : 1.0f / std::sqrt(static_cast<float>(head_dim));
+  a->lower_bound = p.lower_bound;
+  a->error_word = static_cast<int*>(workspace);
+}
+
+Status run_prefill_cuda(const PrefillParams& p, const ProblemShape& shape, void* workspace, Stream stream) {
+  Status st = check_cuda_call(p.q, workspace);
   if (!st.ok()) return st;
   sm90::PrefillArgs a{};
-  a.q = static_cast<const sm90::bf16*>(p.q.data);
-  a.k = static_cast<const sm90::bf16*>(p.k.data);
-  a.v = static_cast<const sm90::bf16*>(p.v.data);
-  a.g = p.g.data;
-  a.beta = p.beta.data;
-  a.out = static_cast<sm90::bf16*>(p.out.data);
-  a.q_sb = p.q.strides[0], a.q_st = p.q.strides[1];
-  a.k_sb = p.k.strides[0], a.k_st = p.k.strides[1];
-  a.v_sb = p.v.strides[0], a.v_st = p.v.strides[1];
-  a.g_sb = p.g.strides[0], a.g_st = p.g.strides[1];
-  a.beta_sb = p.beta.strides[0], a.beta_st = p.beta.strides[1];
-  a.out_sb = p.out.strides[0], a.out_st = p.out.strides[1];
-  a.g_fp32 = p.g.dtype == DType::kFloat32;
-  a.beta_fp32 = p.beta.dtype == DType::kFloat32;
-  a.vec_q = vec_ok(p.q, 8);
-  a.vec_k = vec_ok(p.k, 8);
+  fill_token_args(&a, p, shape.K, workspace);
   a.vec_v = vec_ok(p.v, 8);
-  a.vec_g = vec_ok(p.g, a.g_fp32 ? 4 : 8);
   a.vec_out = vec_ok(p.out, 8);
-  const bool gated = p.gate_mode != GateMode::kPrecomputed;
-  a.A_log = gated ? static_cast<const float*>(p.A_log.data) : nullptr;
-  a.dt_bias = gated ? static_cast<const float*>(p.dt_bias.data) : nullptr;
   a.h0 = p.initial_state.defined() ? p.initial_state.data : nullptr;
   a.ht = p.final_state.defined() ? p.final_state.data : nullptr;
   const TensorRef& st_ref = p.initial_state.defined() ? p.initial_state : p.final_state;
   a.state_fp32 = st_ref.defined() ? (st_ref.dtype == DType::kFloat32) : 1;
   a.pool_rows = st_ref.defined() ? st_ref.sizes[0] : 0;
-  a.cu_seqlens = p.cu_seqlens.defined() ? p.cu_seqlens.data : nullptr;
-  a.cu_int64 = p.cu_seqlens.defined() && p.cu_seqlens.dtype == DType::kInt64;
   a.state_indices = p.state_indices.defined() ? p.state_indices.data : nullptr;
   a.idx_int64 = p.state_indices.defined() && p.state_indices.dtype == DType::kInt64;
   a.has_initial_state =
@@ -130,59 +153,27 @@ Status run_prefill_cuda(const PrefillParams& p, const ProblemShape& shape, void*
   a.T = static_cast<int>(shape.T);
   a.H = static_cast<int>(shape.H);
   a.N = static_cast<int>(shape.N);
-  a.gate_mode = static_cast<int>(p.gate_mode);
-  a.l2norm = p.use_qk_l2norm;
-  a.beta_sigmoid = p.use_beta_sigmoid;
-  a.scale = p.scale > 0.f ? p.scale : 1.0f / std::sqrt(static_cast<float>(shape.K));
-  a.lower_bound = p.lower_bound;
-  a.error_word = static_cast<int*>(workspace);
   a.records = static_cast<char*>(workspace) + kWorkspaceHeaderBytes;
   a.num_slots = sm90::num_chunk_slots(shape.varlen, shape.B, shape.T, shape.N);
-  a.token_rows = p.token_rows.defined() ? p.token_rows.data : nullptr;
-  a.rows_int64 = p.token_rows.defined() && p.token_rows.dtype == DType::kInt64;
-  a.num_rows = p.q.sizes[1];
   const bool ckpt = p.checkpoint_offsets.defined() && shape.num_checkpoints > 0;
   a.ckpt_offsets = ckpt ? p.checkpoint_offsets.data : nullptr;
   a.ckpt_int64 = ckpt && p.checkpoint_offsets.dtype == DType::kInt64;
   a.n_ckpt = ckpt ? static_cast<int>(shape.num_checkpoints) : 0;
   a.ckpt_state = ckpt ? static_cast<float*>(p.checkpoint_state.data) : nullptr;
 
+  st = clear_device_error(workspace, stream);  // the kernels only set it: report this call alone
+  if (!st.ok()) return st;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  cudaError_t e = cudaMemsetAsync(workspace, 0, sizeof(int32_t), s);
-  if (e != cudaSuccess) return sm90::cuda_status(e, "clearing the workspace error word");
   const int sms = g_num_sms[p.q.device_index].load();
   if (shape.K == 128) return sm90::launch_prefill_d128(a, sms, s);
   return sm90::launch_prefill_d64(a, sms, s);
 }
 
 Status run_decode_cuda(const DecodeParams& p, const DecodeShape& shape, void* workspace, Stream stream) {
-  if (!aligned16(workspace)) {
-    return Status::invalid(
-        "flashkda: argument 'workspace': expected a 16-byte aligned pointer, got an unaligned one");
-  }
-  Status st = cuda_device_supported(p.q.device_index);
+  Status st = check_cuda_call(p.q, workspace);
   if (!st.ok()) return st;
   sm90::DecodeArgs a{};
-  a.q = static_cast<const sm90::bf16*>(p.q.data);
-  a.k = static_cast<const sm90::bf16*>(p.k.data);
-  a.v = static_cast<const sm90::bf16*>(p.v.data);
-  a.g = p.g.data;
-  a.beta = p.beta.data;
-  a.out = static_cast<sm90::bf16*>(p.out.data);
-  a.q_sb = p.q.strides[0], a.q_st = p.q.strides[1];
-  a.k_sb = p.k.strides[0], a.k_st = p.k.strides[1];
-  a.v_sb = p.v.strides[0], a.v_st = p.v.strides[1];
-  a.g_sb = p.g.strides[0], a.g_st = p.g.strides[1];
-  a.beta_sb = p.beta.strides[0], a.beta_st = p.beta.strides[1];
-  a.out_sb = p.out.strides[0], a.out_st = p.out.strides[1];
-  a.g_fp32 = p.g.dtype == DType::kFloat32;
-  a.beta_fp32 = p.beta.dtype == DType::kFloat32;
-  a.vec_q = vec_ok(p.q, 8);
-  a.vec_k = vec_ok(p.k, 8);
-  a.vec_g = vec_ok(p.g, a.g_fp32 ? 4 : 8);
-  const bool gated = p.gate_mode != GateMode::kPrecomputed;
-  a.A_log = gated ? static_cast<const float*>(p.A_log.data) : nullptr;
-  a.dt_bias = gated ? static_cast<const float*>(p.dt_bias.data) : nullptr;
+  fill_token_args(&a, p, shape.K, workspace);
   a.pool = p.state_pool.data;
   a.pool_rows = p.state_pool.sizes[0];
   a.idx = p.ssm_state_indices.data;
@@ -191,25 +182,13 @@ Status run_decode_cuda(const DecodeParams& p, const DecodeShape& shape, void* wo
   a.spec = shape.spec;
   a.num_accepted = p.num_accepted_tokens.defined() ? p.num_accepted_tokens.data : nullptr;
   a.acc_int64 = p.num_accepted_tokens.defined() && p.num_accepted_tokens.dtype == DType::kInt64;
-  a.cu_seqlens = p.cu_seqlens.defined() ? p.cu_seqlens.data : nullptr;
-  a.cu_int64 = p.cu_seqlens.defined() && p.cu_seqlens.dtype == DType::kInt64;
-  a.token_rows = p.token_rows.defined() ? p.token_rows.data : nullptr;
-  a.rows_int64 = p.token_rows.defined() && p.token_rows.dtype == DType::kInt64;
-  a.num_rows = p.q.sizes[1];
   a.T = shape.T;
   a.H = static_cast<int>(shape.H);
   a.N = static_cast<int>(shape.N);
-  a.gate_mode = static_cast<int>(p.gate_mode);
-  a.l2norm = p.use_qk_l2norm;
-  a.beta_sigmoid = p.use_beta_sigmoid;
-  a.scale = p.scale > 0.f ? p.scale : 1.0f / std::sqrt(static_cast<float>(shape.K));
-  a.lower_bound = p.lower_bound;
-  a.error_word = static_cast<int*>(workspace);
   const bool f32 = p.state_pool.dtype == DType::kFloat32;
+  st = clear_device_error(workspace, stream);  // the kernels only set it: report this call alone
+  if (!st.ok()) return st;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  // The kernel only sets the error word; clear it so that it reports this call alone.
-  cudaError_t e = cudaMemsetAsync(workspace, 0, sizeof(int32_t), s);
-  if (e != cudaSuccess) return sm90::cuda_status(e, "clearing the workspace error word");
   if (shape.K == 128) return sm90::launch_decode_d128(a, f32, s);
   return sm90::launch_decode_d64(a, f32, s);
 }

@@ -44,11 +44,8 @@ __global__ void __launch_bounds__(kTokenWarps * 32) checkpoint_advance_kernel(co
   float s[kR][16];
 #pragma unroll
   for (int q = 0; q < kR; ++q) load_state_row<D, true>(base + vrow[q] * D, j, s[q]);
-  const bool gated = a.gate_mode != kGatePrecomputed;
-  const float expA = gated ? expf(a.A_log[h]) : 0.f;
-  float dtb[PC];
-#pragma unroll
-  for (int i = 0; i < PC; ++i) dtb[i] = gated ? a.dt_bias[h * D + lane * PC + i] : 0.f;
+  float expA, dtb[PC];
+  load_gate_params<D>(a, h, lane, &expA, dtb);
   TokenChunkRegs<D> regs;
   for (int64_t t0 = first; t0 < o; t0 += kTokenChunk) {
     const int nt = static_cast<int>(o - t0 < kTokenChunk ? o - t0 : kTokenChunk);

@@ -129,6 +129,57 @@ __device__ inline bool decode_conflicts(const DecodeArgs& a, int64_t n, int64_t 
   return false;
 }
 
+// The request's remaining own checks, spread over the calling threads (thread `first` of `stride`):
+// every index entry < P and every token row in [0, rows).  Returns 0 or a DeviceError code.
+__device__ inline int decode_entries_error(const DecodeArgs& a, int64_t n, int64_t bos, int64_t len,
+                                           int first, int stride) {
+  int err = 0;
+  for (int64_t e = first; e < a.slots; e += stride) {
+    if (slot_at(a, n, e) >= a.pool_rows) err = static_cast<int>(DeviceError::kBadStateIndex);
+  }
+  if (a.token_rows != nullptr) {
+    for (int64_t t = first; t < len; t += stride) {
+      const int64_t r = load_index(a.token_rows, a.rows_int64, bos + t);
+      if (r < 0 || r >= a.num_rows) err = static_cast<int>(DeviceError::kBadTokenRow);
+    }
+  }
+  return err;
+}
+
+// A padded request: zero its output rows (the thread's state rows), touch no state.
+template <int D>
+__device__ inline void zero_padded_outputs(const DecodeArgs& a, int64_t batch, int64_t bos, int64_t len,
+                                           int64_t out_col, const int (&vrow)[TokenLayout<D>::kRowsPerThread],
+                                           int j) {
+  if (j != 0) return;
+  for (int64_t t = 0; t < len; ++t) {
+    bf16* o = a.out + batch * a.out_sb + mapped_row(a, bos + t) * a.out_st + out_col;
+#pragma unroll
+    for (int q = 0; q < TokenLayout<D>::kRowsPerThread; ++q) o[vrow[q]] = __float2bfloat16_rn(0.f);
+  }
+}
+
+// Run by the threads of one warp or block per request after its work: reports (not gates, which
+// would put an O(N S^2) chain of loads in front of every block) whether another request touches a
+// row this one writes, or writes the row it reads; the rows involved are then unspecified.
+__device__ inline void report_decode_conflicts(const DecodeArgs& a, int64_t n, int64_t len, int64_t read,
+                                               int first, int stride) {
+  int conflict = 0;
+  if (a.spec) {
+    for (int64_t e = first; e < len * len; e += stride) {
+      const int64_t t1 = e / len, t2 = e % len;
+      if (t1 < t2) {
+        const int64_t w1 = slot_at(a, n, t1);
+        if (w1 >= 0 && w1 == slot_at(a, n, t2)) conflict = 1;
+      }
+    }
+  }
+  for (int64_t m = first; m < a.N; m += stride) {
+    if (m != n && decode_conflicts(a, n, len, read, m)) conflict = 1;
+  }
+  if (conflict) atomicExch(a.error_word, static_cast<int>(DeviceError::kStateSlotConflict));
+}
+
 // Tokens a warp loads and preprocesses at once (registers: 13 floats per lane and token; 4 spilled
 // ~200 bytes at the 128-register cap that gives 4 blocks per SM, 2 spill 24).
 constexpr int kWarpTokens = 2;
@@ -195,38 +246,19 @@ __global__ void __launch_bounds__(kTokenWarps * 32, 4) decode_warp_kernel(const 
     for (int q = 0; q < kR; ++q)
       load_state_row<D, kF32>(pool + (r * head_rows + out_col + vrow[q]) * D, j, s[q]);
   }
-  if (err == 0) {
-    for (int64_t e = lane; e < a.slots; e += 32) {
-      if (slot_at(a, n, e) >= a.pool_rows) err = static_cast<int>(DeviceError::kBadStateIndex);
-    }
-    if (a.token_rows != nullptr) {
-      for (int64_t t = lane; t < len; t += 32) {
-        const int64_t r = load_index(a.token_rows, a.rows_int64, bos + t);
-        if (r < 0 || r >= a.num_rows) err = static_cast<int>(DeviceError::kBadTokenRow);
-      }
-    }
-  }
+  if (err == 0) err = decode_entries_error(a, n, bos, len, lane, 32);
   if (__any_sync(0xffffffffu, err != 0)) {  // a bad request writes nothing
     if (err != 0) atomicExch(a.error_word, err);
     return;
   }
 
   if (read < 0) {  // padded request: zero its outputs, touch no state
-    if (j == 0) {
-      for (int64_t t = 0; t < len; ++t) {
-        bf16* o = a.out + batch * a.out_sb + mapped_row(a, bos + t) * a.out_st + out_col;
-#pragma unroll
-        for (int q = 0; q < kR; ++q) o[vrow[q]] = __float2bfloat16_rn(0.f);
-      }
-    }
+    zero_padded_outputs<D>(a, batch, bos, len, out_col, vrow, j);
   } else {
     // ---- 2. the tokens, kWarpTokens at a time: the state stays in registers; out and (spec) the
     // write slot of each token.
-    const bool gated = a.gate_mode != kGatePrecomputed;
-    const float expA = gated ? expf(a.A_log[h]) : 0.f;
-    float dtb[PC];
-#pragma unroll
-    for (int i = 0; i < PC; ++i) dtb[i] = gated ? a.dt_bias[h * D + lane * PC + i] : 0.f;
+    float expA, dtb[PC];
+    load_gate_params<D>(a, h, lane, &expA, dtb);
     for (int64_t c0 = 0; c0 < len; c0 += kWarpTokens) {
       const int nt = static_cast<int>(len - c0 < kWarpTokens ? len - c0 : kWarpTokens);
       float b[kWarpTokens], vcur[kR][kWarpTokens];
@@ -266,25 +298,8 @@ __global__ void __launch_bounds__(kTokenWarps * 32, 4) decode_warp_kernel(const 
     }
   }
 
-  // ---- 3. one warp per request (head 0, slice 0, warp 0) checks that no other request touches a
-  // row this one writes (or writes the row it reads), and reports a conflict.  It does not gate the
-  // writes: that would put an O(N S^2) chain of loads in front of every block; the word tells the
-  // caller that the rows involved are unspecified.
-  if (h != 0 || slice != 0 || warp != 0 || read < 0) return;
-  int conflict = 0;
-  if (a.spec) {
-    for (int64_t e = lane; e < len * len; e += 32) {
-      const int64_t t1 = e / len, t2 = e % len;
-      if (t1 < t2) {
-        const int64_t w1 = slot_at(a, n, t1);
-        if (w1 >= 0 && w1 == slot_at(a, n, t2)) conflict = 1;
-      }
-    }
-  }
-  for (int64_t m = lane; m < a.N; m += 32) {
-    if (m != n && decode_conflicts(a, n, len, read, m)) conflict = 1;
-  }
-  if (conflict) atomicExch(a.error_word, static_cast<int>(DeviceError::kStateSlotConflict));
+  // ---- 3. one warp per request (head 0, slice 0, warp 0) reports pool-row conflicts.
+  if (h == 0 && slice == 0 && warp == 0 && read >= 0) report_decode_conflicts(a, n, len, read, lane, 32);
 }
 
 // Speculative decode (several tokens per request): the block preprocesses kTokenChunk = 8 tokens at
@@ -330,38 +345,19 @@ __global__ void __launch_bounds__(kTokenWarps * 32, 4) decode_chunked_kernel(con
     for (int q = 0; q < kR; ++q)
       load_state_row<D, kF32>(pool + (r * head_rows + out_col + vrow[q]) * D, j, s[q]);
   }
-  if (err == 0) {
-    for (int64_t e = tid; e < a.slots; e += blockDim.x) {
-      if (slot_at(a, n, e) >= a.pool_rows) err = static_cast<int>(DeviceError::kBadStateIndex);
-    }
-    if (a.token_rows != nullptr) {
-      for (int64_t t = tid; t < len; t += blockDim.x) {
-        const int64_t r = load_index(a.token_rows, a.rows_int64, bos + t);
-        if (r < 0 || r >= a.num_rows) err = static_cast<int>(DeviceError::kBadTokenRow);
-      }
-    }
-  }
+  if (err == 0) err = decode_entries_error(a, n, bos, len, tid, blockDim.x);
   if (__syncthreads_or(err != 0)) {  // a bad request writes nothing
     if (err != 0) atomicExch(a.error_word, err);
     return;
   }
 
   if (read < 0) {  // padded request: zero its outputs, touch no state
-    if (j == 0) {
-      for (int64_t t = 0; t < len; ++t) {
-        bf16* o = a.out + batch * a.out_sb + mapped_row(a, bos + t) * a.out_st + out_col;
-#pragma unroll
-        for (int q = 0; q < kR; ++q) o[vrow[q]] = __float2bfloat16_rn(0.f);
-      }
-    }
+    zero_padded_outputs<D>(a, batch, bos, len, out_col, vrow, j);
   } else {
     // ---- 2. the tokens, kTokenChunk at a time: the state stays in registers; out and (spec) the
     // write slot of each token.
-    const bool gated = a.gate_mode != kGatePrecomputed;
-    const float expA = gated ? expf(a.A_log[h]) : 0.f;
-    float dtb[PC];
-#pragma unroll
-    for (int i = 0; i < PC; ++i) dtb[i] = gated ? a.dt_bias[h * D + lane * PC + i] : 0.f;
+    float expA, dtb[PC];
+    load_gate_params<D>(a, h, lane, &expA, dtb);
     for (int64_t c0 = 0; c0 < len; c0 += kTokenChunk) {
       const int nt = static_cast<int>(len - c0 < kTokenChunk ? len - c0 : kTokenChunk);
       if (c0 > 0) load_token_chunk<D>(a, batch, bos + c0, nt, h, vrow, regs);
@@ -388,25 +384,8 @@ __global__ void __launch_bounds__(kTokenWarps * 32, 4) decode_chunked_kernel(con
     }
   }
 
-  // ---- 3. one block per request (head 0, slice 0) checks that no other request touches a row this
-  // one writes (or writes the row it reads), and reports a conflict.  It does not gate the writes:
-  // that would put an O(N S^2) chain of loads in front of every block; the word tells the caller
-  // that the rows involved are unspecified.
-  if (h != 0 || slice != 0 || read < 0) return;
-  int conflict = 0;
-  if (a.spec) {
-    for (int64_t e = tid; e < len * len; e += blockDim.x) {
-      const int64_t t1 = e / len, t2 = e % len;
-      if (t1 < t2) {
-        const int64_t w1 = slot_at(a, n, t1);
-        if (w1 >= 0 && w1 == slot_at(a, n, t2)) conflict = 1;
-      }
-    }
-  }
-  for (int64_t m = tid; m < a.N; m += blockDim.x) {
-    if (m != n && decode_conflicts(a, n, len, read, m)) conflict = 1;
-  }
-  if (conflict) atomicExch(a.error_word, static_cast<int>(DeviceError::kStateSlotConflict));
+  // ---- 3. one block per request (head 0, slice 0) reports pool-row conflicts.
+  if (h == 0 && slice == 0 && read >= 0) report_decode_conflicts(a, n, len, read, tid, blockDim.x);
 }
 
 template <int D, bool kF32>

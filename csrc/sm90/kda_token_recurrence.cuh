@@ -98,6 +98,17 @@ __device__ inline void load_token(const A& a, int64_t batch, int64_t row, int h,
   t.beta = load_scalar(a.beta, a.beta_fp32, batch * a.beta_sb + row * a.beta_st + h);
 }
 
+// Per-head gate parameters of the lane's D / 32 preprocessing columns: exp(A_log[h]) and dt_bias
+// (unused by the precomputed gate, whose A_log / dt_bias may be null).
+template <int D, class A>
+__device__ inline void load_gate_params(const A& a, int h, int lane, float* expA, float (&dtb)[D / 32]) {
+  constexpr int PC = D / 32;
+  const bool gated = a.gate_mode != kGatePrecomputed;
+  *expA = gated ? expf(a.A_log[h]) : 0.f;
+#pragma unroll
+  for (int i = 0; i < PC; ++i) dtb[i] = gated ? a.dt_bias[h * D + lane * PC + i] : 0.f;
+}
+
 // Preprocesses a loaded token into a shared buffer (spec section 2) and returns b.
 template <int D, class A>
 __device__ inline float preprocess_token(const A& a, const TokenRaw<D>& t, float expA_h,

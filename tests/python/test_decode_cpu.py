@@ -9,6 +9,7 @@ import torch
 import flashkda
 from flashkda import reference as R
 from kda_helpers import BF16, SENTINEL, make_inputs, rel_err
+from pool_simulation import run_pool_simulation
 
 H, D = 2, 64
 OUT_TOL = 1e-2  # out is bf16: one rounding gives ~2e-3
@@ -439,157 +440,8 @@ def test_checkpoint_bad_input(change, arg):
 # ---------------------------------------------------------------------------------------------
 # A serving simulation: 200 steps of prefills, continuations, plain and speculative decode on one pool
 
-class Request:
-    def __init__(self, rid, rows):
-        self.rid = rid
-        self.rows = rows  # T_SPEC pool rows owned; the accepted state lives in rows[self.cur]
-        self.cur = 0
-        self.stream = {name: [] for name in ("q", "k", "v", "g", "beta")}  # accepted tokens
-        self.started = False
-
-    def accept(self, inp, start, count):
-        """Tokens start .. start + count - 1 of a varlen call."""
-        for name in self.stream:
-            self.stream[name].append(inp[name][0, start:start + count])
-
-    def accept_row(self, inp, row, count):
-        """The first `count` tokens of row `row` of a fixed-layout call."""
-        for name in self.stream:
-            self.stream[name].append(inp[name][row, :count])
-
-    def tokens(self, name):
-        return torch.cat(self.stream[name], 0) if self.stream[name] else None
-
-
 def test_serving_simulation():
-    rng = random.Random(2024)
-    gen = torch.Generator().manual_seed(2024)
-    P = 40
-    pool = torch.full((P, H, D, D), float("nan"))  # free rows are NaN: reading one would show
-    shadow = pool.double().clone()  # the pool the float64 reference says we should have
-    free = list(range(P))
-    rng.shuffle(free)
-    live = []
-    next_id = 0
-    A_log = torch.rand(H, generator=gen)
-    dt_bias = torch.rand(H, D, generator=gen)
-    gate = dict(gate_mode="bounded", A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, use_qk_l2norm=True,
-                use_beta_sigmoid=True)
-    counts = dict(prefill_new=0, prefill_cont=0, decode=0, spec=0, spec_varlen=0, padded=0, finished=0)
-
-    def gen_tokens(lens=None, N=1, T=1):
-        inp = make_inputs(lens, B=N, T=T, H=H, D=D, with_initial_state=False, generator=gen)
-        inp.update(A_log=A_log, dt_bias=dt_bias)
-        return inp
-
-    def check_against_streams(step):
-        started = [r for r in live if r.started]
-        if not started:
-            return
-        lens = [r.tokens("q").shape[0] for r in started]
-        cu = torch.tensor([0] + list(torch.cumsum(torch.tensor(lens), 0)), dtype=torch.int64)
-        cat = {name: torch.cat([r.tokens(name) for r in started], 0).unsqueeze(0) for name in started[0].stream}
-        _, fin = R.prefill(**cat, **gate, cu_seqlens=cu)
-        for i, r in enumerate(started):
-            row = r.rows[r.cur]
-            assert rel_err(pool[row], fin[i]) < 1e-5, f"step {step}: request {r.rid} (row {row}, {lens[i]} tokens)"
-        owned = {row for r in live for row in r.rows}
-        for row in range(P):
-            if row not in owned:
-                assert torch.isnan(pool[row]).all(), f"step {step}: free row {row} was written"
-        assert torch.equal(torch.isnan(pool), torch.isnan(shadow))
-
-    for step in range(200):
-        # arrivals
-        new = []
-        while len(free) >= T_SPEC and len(live) < 10 and rng.random() < 0.5:
-            r = Request(next_id, [free.pop() for _ in range(T_SPEC)])
-            next_id += 1
-            live.append(r)
-            new.append(r)
-        # an action for every request: new ones prefill; others continue, decode, spec-decode, idle or finish
-        acts = {"prefill": list(new), "decode": [], "spec": []}
-        for r in live:
-            if r in new:
-                continue
-            x = rng.random()
-            if x < 0.08:
-                live.remove(r)
-                pool[r.rows] = float("nan")
-                shadow[r.rows] = float("nan")
-                free.extend(r.rows)
-                counts["finished"] += 1
-            elif x < 0.25:
-                acts["prefill"].append(r)
-            elif x < 0.55:
-                acts["decode"].append(r)
-            elif x < 0.9:
-                acts["spec"].append(r)
-
-        # prefill: new requests (has_initial_state False) and continuations, varlen, maybe one padded row
-        if acts["prefill"]:
-            reqs = acts["prefill"]
-            lens = [rng.randint(1, 16) if not r.started else rng.randint(0, 9) for r in reqs]
-            pad = rng.random() < 0.3
-            inp = gen_tokens(lens + ([rng.randint(1, 4)] if pad else []))
-            idx = torch.tensor([r.rows[r.cur] for r in reqs] + ([-1] if pad else []), dtype=torch.int32)
-            has = torch.tensor([r.started for r in reqs] + ([True] if pad else []))
-            ref_out, fin = R.prefill(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], **gate, initial_state=shadow,
-                                     cu_seqlens=inp["cu_seqlens"], state_indices=idx, has_initial_state=has)
-            shadow = R.update_state_pool(shadow, fin, idx)
-            out = torch.full(inp["v"].shape, SENTINEL, dtype=BF16)
-            flashkda.prefill(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], out, **gate, initial_state=pool,
-                             final_state=pool, cu_seqlens=inp["cu_seqlens"], state_indices=idx, has_initial_state=has)
-            assert rel_err(out, ref_out) < OUT_TOL, f"step {step}: prefill out"
-            cu = inp["cu_seqlens"].tolist()
-            for i, r in enumerate(reqs):
-                counts["prefill_cont" if r.started else "prefill_new"] += 1
-                r.accept(inp, cu[i], lens[i])
-                r.started = True
-            counts["padded"] += pad
-
-        # plain decode: one token each, fixed layout [N, 1], maybe one padded row
-        if acts["decode"]:
-            reqs = acts["decode"]
-            pad = rng.random() < 0.3
-            inp = gen_tokens(N=len(reqs) + pad, T=1)
-            idx = torch.tensor([r.rows[r.cur] for r in reqs] + ([-1] if pad else []), dtype=torch.int64)
-            ref_out, shadow = ref_decode(dict(inp, **gate), shadow, idx)
-            out = op_decode(dict(inp, **gate), pool, idx)
-            assert rel_err(out, ref_out) < OUT_TOL, f"step {step}: decode out"
-            for i, r in enumerate(reqs):
-                r.accept_row(inp, i, 1)
-                counts["decode"] += 1
-            counts["padded"] += pad
-
-        # speculative decode: 1 + NUM_SPEC tokens each (or a varlen draft count), random acceptance
-        if acts["spec"]:
-            reqs = acts["spec"]
-            varlen = rng.random() < 0.3
-            if varlen:
-                lens = [rng.randint(1, T_SPEC) for _ in reqs]
-                inp = gen_tokens(lens)
-            else:
-                lens = [T_SPEC] * len(reqs)
-                inp = gen_tokens(N=len(reqs), T=T_SPEC)
-            idx = torch.tensor([r.rows for r in reqs], dtype=torch.int32)
-            acc = torch.tensor([r.cur + 1 for r in reqs], dtype=torch.int32)
-            ref_out, shadow = ref_decode(dict(inp, **gate), shadow, idx, acc)
-            out = op_decode(dict(inp, **gate), pool, idx, acc)
-            assert rel_err(out, ref_out) < OUT_TOL, f"step {step}: spec out"
-            cu = inp["cu_seqlens"].tolist() if varlen else None
-            for i, r in enumerate(reqs):
-                accepted = rng.randint(1, lens[i])  # the drafts the verifier kept (+ the bonus token)
-                if varlen:
-                    r.accept(inp, cu[i], accepted)
-                else:
-                    r.accept_row(inp, i, accepted)
-                r.cur = accepted - 1  # the engine continues from that slot
-                counts["spec_varlen" if varlen else "spec"] += 1
-
-        if step % 20 == 19 or step == 199:
-            check_against_streams(step)
-
-    check_against_streams(200)
-    assert counts["finished"] > 5 and counts["prefill_new"] > 10 and counts["prefill_cont"] > 10
-    assert counts["decode"] > 50 and counts["spec"] > 50 and counts["spec_varlen"] > 10 and counts["padded"] > 10
+    """pool_simulation.run_pool_simulation on the CPU reference path (fixed seed)."""
+    run_pool_simulation(gen=torch.Generator().manual_seed(2024), rng=random.Random(2024), device="cpu",
+                        state_dtype=torch.float32, H=H, D=D, P=40, new_len=16, cont_len=9, out_tol=OUT_TOL,
+                        state_tol=1e-5, out_fill=SENTINEL, decode_op=op_decode, seed=2024)

@@ -19,7 +19,7 @@ import torch
 import flashkda
 from flashkda import reference as R
 from kda_helpers import BF16, make_inputs, rel_err, strided_copy
-from test_decode_cpu import Request  # the simulation's per-request token streams
+from pool_simulation import run_pool_simulation
 
 
 def _sm90():
@@ -586,152 +586,18 @@ def test_device_error_then_good_call(gen):
 # with random acceptance on one pool, checked against each request's accepted token stream run
 # through the float64 reference.
 
-SIM_T_SPEC = 4  # 1 + 3 drafts: the pool rows each request owns
-
-
 @pytest.mark.parametrize("state_dtype", [FP32, BF16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("device", [DEV])
-def test_serving_simulation(gen, device, state_dtype):
-    H, D, P = 4, 128, 44
-    rng = random.Random(seed_of(gen))
-    out_tol = SPEC_OUT if state_dtype == FP32 else LOOSE_OUT
-    # bf16 pool: one rounding per call, accumulated over a request's life (the gate forgets most of it)
-    state_tol = SPEC_STATE if state_dtype == FP32 else LOOSE_STATE
-    pool = torch.full((P, H, D, D), NAN, device=device, dtype=state_dtype)  # free rows NaN: a read shows
-    shadow = pool.double().clone()  # the pool the float64 reference says we should have
-    free = list(range(P))
-    rng.shuffle(free)
-    live = []
-    next_id = 0
-    A_log = torch.rand(H, generator=gen).to(device)
-    dt_bias = torch.rand(H, D, generator=gen).to(device)
-    gate = dict(gate_mode="bounded", A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, use_qk_l2norm=True,
-                use_beta_sigmoid=True)
-    counts = dict(prefill_new=0, prefill_cont=0, decode=0, spec=0, spec_varlen=0, padded=0, finished=0)
-    ws = workspace()
+def test_serving_simulation(gen, state_dtype):
     seed = seed_of(gen)
+    ws = workspace()
 
-    def gen_tokens(lens=None, N=1, T=1):
-        inp = make_inputs(lens, B=N, T=T, H=H, D=D, device=device, with_initial_state=False, generator=gen)
-        inp.update(A_log=A_log, dt_bias=dt_bias)
-        return inp
+    def no_device_error(step):
+        assert flashkda.read_device_error(ws) == 0, f"seed {seed} step {step}: device error"
 
-    def check_against_streams(step):
-        torch.cuda.synchronize()
-        started = [r for r in live if r.started]
-        if started:
-            lens = [r.tokens("q").shape[0] for r in started]
-            cu = torch.tensor([0] + list(torch.cumsum(torch.tensor(lens), 0)), dtype=torch.int64, device=device)
-            cat = {name: torch.cat([r.tokens(name) for r in started], 0).unsqueeze(0) for name in started[0].stream}
-            _, fin = R.prefill(**cat, **gate, cu_seqlens=cu)
-            for i, r in enumerate(started):
-                row = r.rows[r.cur]
-                e = rel_err(pool[row], fin[i])
-                assert e <= state_tol, (f"seed {seed} step {step}: request {r.rid} (row {row}, {lens[i]} tokens): "
-                                        f"state rel {e:.3e}")
-        owned = {row for r in live for row in r.rows}
-        for row in range(P):
-            if row not in owned:
-                assert torch.isnan(pool[row].float()).all(), f"seed {seed} step {step}: free row {row} was written"
-        assert torch.equal(torch.isnan(pool.float()), torch.isnan(shadow)), f"seed {seed} step {step}"
-
-    for step in range(200):
-        new = []
-        while len(free) >= SIM_T_SPEC and len(live) < 10 and rng.random() < 0.5:
-            r = Request(next_id, [free.pop() for _ in range(SIM_T_SPEC)])
-            next_id += 1
-            live.append(r)
-            new.append(r)
-        acts = {"prefill": list(new), "decode": [], "spec": []}
-        for r in list(live):
-            if r in new:
-                continue
-            x = rng.random()
-            if x < 0.08:
-                live.remove(r)
-                pool[r.rows] = NAN
-                shadow[r.rows] = NAN
-                free.extend(r.rows)
-                counts["finished"] += 1
-            elif x < 0.25:
-                acts["prefill"].append(r)
-            elif x < 0.55:
-                acts["decode"].append(r)
-            elif x < 0.9:
-                acts["spec"].append(r)
-
-        # prefill (CUDA): new requests (has_initial_state False, their rows are NaN) and continuations
-        if acts["prefill"]:
-            reqs = acts["prefill"]
-            lens = [rng.randint(1, 40) if not r.started else rng.randint(0, 70) for r in reqs]
-            pad = rng.random() < 0.3
-            inp = gen_tokens(lens + ([rng.randint(1, 4)] if pad else []))
-            idx = torch.tensor([r.rows[r.cur] for r in reqs] + ([-1] if pad else []), dtype=torch.int32,
-                               device=device)
-            has = torch.tensor([r.started for r in reqs] + ([True] if pad else []), device=device)
-            ref_out, fin = R.prefill(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], **gate, initial_state=shadow,
-                                     cu_seqlens=inp["cu_seqlens"], state_indices=idx, has_initial_state=has)
-            shadow = R.update_state_pool(shadow, fin, idx)
-            out = torch.full(inp["v"].shape, NAN, dtype=BF16, device=device)
-            flashkda.prefill(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], out, **gate, initial_state=pool,
-                             final_state=pool, cu_seqlens=inp["cu_seqlens"], state_indices=idx,
-                             has_initial_state=has)
-            e = rel_err(out, ref_out)
-            assert e <= out_tol, f"seed {seed} step {step}: prefill out rel {e:.3e}"
-            cu = inp["cu_seqlens"].tolist()
-            for i, r in enumerate(reqs):
-                counts["prefill_cont" if r.started else "prefill_new"] += 1
-                r.accept(inp, cu[i], lens[i])
-                r.started = True
-            counts["padded"] += pad
-
-        # plain decode: one token each, fixed layout [N, 1], maybe one padded row
-        if acts["decode"]:
-            reqs = acts["decode"]
-            pad = rng.random() < 0.3
-            inp = dict(gen_tokens(N=len(reqs) + pad, T=1), **gate)
-            idx = torch.tensor([r.rows[r.cur] for r in reqs] + ([-1] if pad else []), dtype=torch.int64,
-                               device=device)
-            ref_out, shadow = ref_decode(inp, shadow, idx)
-            out = run_decode(inp, pool, idx, ws=ws)
-            e = rel_err(out, ref_out)
-            assert e <= out_tol, f"seed {seed} step {step}: decode out rel {e:.3e}"
-            for i, r in enumerate(reqs):
-                r.accept_row(inp, i, 1)
-                counts["decode"] += 1
-            counts["padded"] += pad
-
-        # speculative decode: 1 + 3 tokens each (or a varlen draft count), random acceptance; the
-        # next step reads the slot of the last accepted token (rollback of the rejected drafts)
-        if acts["spec"]:
-            reqs = acts["spec"]
-            varlen = rng.random() < 0.3
-            if varlen:
-                lens = [rng.randint(1, SIM_T_SPEC) for _ in reqs]
-                inp = dict(gen_tokens(lens), **gate)
-            else:
-                lens = [SIM_T_SPEC] * len(reqs)
-                inp = dict(gen_tokens(N=len(reqs), T=SIM_T_SPEC), **gate)
-            idx = torch.tensor([r.rows for r in reqs], dtype=torch.int32, device=device)
-            acc = torch.tensor([r.cur + 1 for r in reqs], dtype=torch.int32, device=device)
-            ref_out, shadow = ref_decode(inp, shadow, idx, acc)
-            out = run_decode(inp, pool, idx, acc, ws=ws)
-            e = rel_err(out, ref_out)
-            assert e <= out_tol, f"seed {seed} step {step}: spec out rel {e:.3e}"
-            cu = inp["cu_seqlens"].tolist() if varlen else None
-            for i, r in enumerate(reqs):
-                accepted = rng.randint(1, lens[i])
-                if varlen:
-                    r.accept(inp, cu[i], accepted)
-                else:
-                    r.accept_row(inp, i, accepted)
-                r.cur = accepted - 1
-                counts["spec_varlen" if varlen else "spec"] += 1
-
-        if step % 20 == 19:
-            assert flashkda.read_device_error(ws) == 0, f"seed {seed} step {step}: device error"
-            check_against_streams(step)
-
-    check_against_streams(200)
-    assert counts["finished"] > 5 and counts["prefill_new"] > 10 and counts["prefill_cont"] > 10
-    assert counts["decode"] > 50 and counts["spec"] > 50 and counts["spec_varlen"] > 10 and counts["padded"] > 10
+    # bf16 pool: one rounding per call, accumulated over a request's life (the gate forgets most of it)
+    fp32 = state_dtype == FP32
+    run_pool_simulation(gen=gen, rng=random.Random(seed), device=DEV, state_dtype=state_dtype, H=4, D=128, P=44,
+                        new_len=40, cont_len=70, out_tol=SPEC_OUT if fp32 else LOOSE_OUT,
+                        state_tol=SPEC_STATE if fp32 else LOOSE_STATE, out_fill=NAN,
+                        decode_op=lambda inp, pool, idx, acc=None: run_decode(inp, pool, idx, acc, ws=ws),
+                        step_check=no_device_error, seed=seed)
