@@ -11,6 +11,7 @@
 #   BENCHES="prefill decode" (default) selects the benchmarks; PYTEST_PATHS (default tests/python)
 #               narrows the GPU tests, e.g. PYTEST_PATHS=tests/python/test_gpu_decode.py BENCHES=decode
 #   NCU=1       also Nsight Compute sections of both kernels; SANITIZE=0 skips compute-sanitizer
+#   DECODE_AB=1 also the decode benchmark with FLASHKDA_DECODE_KERNEL=per_request (A/B of the kernels)
 # Usage from the device tool (the device copy of the tree has no usable git history, so pass the
 # commit in): FLASHKDA_COMMIT=<sha> MODE=full bash scripts/gpu_run.sh, carrying .whl (fla-core and
 # its pure-Python deps as wheels) and, to skip fla's ~90 s autotune per head count, .cache with the
@@ -57,6 +58,10 @@ if [[ "$BENCHES" == *" decode "* ]]; then
   DARGS=""
   [ "$MODE" = quick ] && DARGS="--quick"
   python3 bench/bench_decode.py --json "$OUT/bench_decode.json" --md "$OUT/bench_decode.md" $DARGS ${DECODE_BENCH_ARGS:-}
+  if [ "${DECODE_AB:-0}" = 1 ]; then  # the same with the per-request kernels (A/B of the decode kernels)
+    FLASHKDA_DECODE_KERNEL=per_request python3 bench/bench_decode.py --json "$OUT/bench_decode_per_request.json" \
+      --md "$OUT/bench_decode_per_request.md" --no-fla $DARGS ${DECODE_BENCH_ARGS:-}
+  fi
 fi
 if [ -d /tmp/triton_cache ]; then tar czf - -C /tmp triton_cache | split -b 15M - "$OUT/triton_cache.tgz.part"; fi
 echo "total: $(( $(date +%s) - t0 )) s"

@@ -5,11 +5,13 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "flashkda/flashkda.h"
 #include "runtime/cuda_dispatch.h"
-#include "sm90/kda_decode_sm90.cuh"
+#include "sm90/kda_decode_pipelined.cuh"
 #include "sm90/kda_prefill_sm90.cuh"
 
 namespace flashkda {
@@ -35,6 +37,25 @@ int vec_ok(const TensorRef& t, int elems_per_16b) {
     if (t.strides[d] % elems_per_16b != 0) return 0;
   }
   return 1;
+}
+
+// Largest power of two <= 16 that divides the address of every row the kernels copy: the base, the
+// strides of all but the last two dims (elements of `elt` bytes) and `offset_elems` (the head or
+// slice offset within a row).
+int byte_align(const TensorRef& t, int elt, int64_t offset_elems) {
+  uint64_t x = reinterpret_cast<uintptr_t>(t.data) | static_cast<uint64_t>(offset_elems * elt) | 16u;
+  for (int d = 0; d + 2 < t.ndim; ++d) x |= static_cast<uint64_t>(t.strides[d] * elt);
+  return static_cast<int>(x & (~x + 1));
+}
+
+// Dev switch for A/B runs: FLASHKDA_DECODE_KERNEL=per_request selects the per-request decode
+// kernels instead of the pipelined one (read once per process).
+bool decode_pipelined() {
+  static const bool pipelined = [] {
+    const char* e = std::getenv("FLASHKDA_DECODE_KERNEL");
+    return e == nullptr || std::strcmp(e, "per_request") != 0;
+  }();
+  return pipelined;
 }
 
 }  // namespace
@@ -70,17 +91,28 @@ Status cuda_device_supported(int device_index) {
   return Status::ok_status();
 }
 
+// The workspace header holds kErrorWords int32 error words: the prefill kernels use word 0 (the host
+// clears the header before each prefill call), the pipelined decode kernel rewrites all of them on
+// every call (one per block, see kda_decode_pipelined.cuh).  The error is the first non-zero word.
+constexpr int kErrorWords = static_cast<int>(detail::kWorkspaceHeaderBytes / sizeof(int32_t));
+static_assert(kErrorWords == sm90::kDecodeErrorSlots, "the decode kernel's error words fill the header");
+
 Status read_device_error(const void* workspace, Stream stream, DeviceError* err) {
-  int32_t word = 0;
-  cudaError_t e = cudaMemcpyAsync(&word, workspace, sizeof(word), cudaMemcpyDeviceToHost, stream);
-  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+  int32_t words[kErrorWords];
+  cudaError_t e = cudaMemcpyAsync(words, workspace, sizeof(words), cudaMemcpyDeviceToHost,
+                                  reinterpret_cast<cudaStream_t>(stream));
+  if (e == cudaSuccess) e = cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(stream));
   if (e != cudaSuccess) return sm90::cuda_status(e, "read_device_error");
+  int32_t word = 0;
+  for (int i = 0; i < kErrorWords && word == 0; ++i) word = words[i];
   if (err) *err = static_cast<DeviceError>(word);
   return Status::ok_status();
 }
 
 Status clear_device_error(void* workspace, Stream stream) {
-  return sm90::cuda_status(cudaMemsetAsync(workspace, 0, sizeof(int32_t), stream), "clear_device_error");
+  return sm90::cuda_status(
+      cudaMemsetAsync(workspace, 0, detail::kWorkspaceHeaderBytes, reinterpret_cast<cudaStream_t>(stream)),
+      "clear_device_error");
 }
 
 namespace detail {
@@ -185,12 +217,29 @@ Status run_decode_cuda(const DecodeParams& p, const DecodeShape& shape, void* wo
   a.T = shape.T;
   a.H = static_cast<int>(shape.H);
   a.N = static_cast<int>(shape.N);
+  const int64_t D = shape.K;
+  a.align_q = byte_align(p.q, 2, D);
+  a.align_k = byte_align(p.k, 2, D);
+  a.align_g = byte_align(p.g, a.g_fp32 ? 4 : 2, D);
+  a.align_v = byte_align(p.v, 2, 32);  // head (D) and row-slice (32 or 64 rows) offsets
+  a.align_dtb = a.dt_bias != nullptr ? byte_align(p.dt_bias, 4, D) : 16;
+  if (!aligned16(p.state_pool.data)) {
+    return Status::invalid(
+        "flashkda: argument 'state_pool': expected a 16-byte aligned data pointer, got an unaligned one");
+  }
   const bool f32 = p.state_pool.dtype == DType::kFloat32;
-  st = clear_device_error(workspace, stream);  // the kernels only set it: report this call alone
-  if (!st.ok()) return st;
+  // The pipelined kernel rewrites every error word itself; the per-request kernels (and an empty
+  // call, which launches nothing) need the header cleared to report this call alone.
+  const bool pipelined = decode_pipelined();
+  if (!pipelined || a.N == 0 || a.H == 0) {
+    st = clear_device_error(workspace, stream);
+    if (!st.ok()) return st;
+  }
+  if (a.N == 0 || a.H == 0) return Status::ok_status();
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  if (shape.K == 128) return sm90::launch_decode_d128(a, f32, s);
-  return sm90::launch_decode_d64(a, f32, s);
+  const int sms = g_num_sms[p.q.device_index].load();
+  if (shape.K == 128) return sm90::launch_decode_d128(a, f32, pipelined, sms, s);
+  return sm90::launch_decode_d64(a, f32, pipelined, sms, s);
 }
 
 }  // namespace detail

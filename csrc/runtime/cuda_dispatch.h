@@ -9,8 +9,9 @@
 namespace flashkda {
 namespace detail {
 
-// Workspace header: int32 device error word at offset 0; the rest is reserved.
-constexpr size_t kWorkspaceHeaderBytes = 256;
+// Workspace header: 1024 int32 device error words (the prefill kernels use word 0, the pipelined
+// decode kernel one per block; read_device_error reports the first non-zero one).
+constexpr size_t kWorkspaceHeaderBytes = 4096;
 constexpr int64_t kChunkTokens = 64;
 // Bytes of one chunk record (sm90::ChunkRecord<D>): W, QT, KD [C][D] bf16, UT [D][C] bf16,
 // MQK [C][C] bf16, gamma [D] fp32, a 128-byte tail (UT shift).

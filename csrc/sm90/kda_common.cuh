@@ -8,6 +8,11 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <atomic>
+#include <string>
+
+#include "flashkda/flashkda.h"
+
 namespace flashkda {
 namespace sm90 {
 
@@ -318,6 +323,29 @@ __device__ inline float gate_log_decay(int mode, float g, float exp_A_log_h, flo
 
 __device__ inline float load_scalar(const void* p, int is_fp32, int64_t i) {
   return is_fp32 ? static_cast<const float*>(p)[i] : __bfloat162float(static_cast<const bf16*>(p)[i]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host-side launch helpers.
+// ---------------------------------------------------------------------------------------------
+inline Status cuda_status(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return Status::ok_status();
+  return Status::cuda_error(std::string("flashkda: ") + what + ": " + cudaGetErrorString(e));
+}
+
+// Raises a kernel's dynamic shared memory limit once per device and process (the attribute sticks;
+// setting it on every call cost host time on the launch path).
+template <auto Kernel>
+cudaError_t set_smem_limit_once(int bytes) {
+  static std::atomic<uint64_t> done{0};
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  const uint64_t bit = 1ull << (dev & 63);
+  if (done.load(std::memory_order_acquire) & bit) return cudaSuccess;
+  e = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e == cudaSuccess) done.fetch_or(bit, std::memory_order_acq_rel);
+  return e;
 }
 
 }  // namespace sm90

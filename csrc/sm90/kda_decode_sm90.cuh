@@ -51,11 +51,14 @@ struct DecodeArgs {
   int64_t q_sb, q_st, k_sb, k_st, v_sb, v_st, g_sb, g_st, beta_sb, beta_st, out_sb, out_st;
   int g_fp32, beta_fp32;
   int vec_q, vec_k, vec_g;  // rows 16-byte aligned: vector loads allowed
-  const float* A_log;       // [H] (null for the precomputed gate)
-  const float* dt_bias;     // [H * K]
-  void* pool;               // [P, H, V, K] fp32 / bf16
-  int64_t pool_rows;        // P
-  const void* idx;          // [N] or [N, S]
+  // Byte alignment (16, 8, 4 or 2) of every head row of q, k, g, of every row slice of v and of
+  // dt_bias's head rows: the piece size of the pipelined kernel's cp.async copies.
+  int align_q, align_k, align_g, align_v, align_dtb;
+  const float* A_log;    // [H] (null for the precomputed gate)
+  const float* dt_bias;  // [H * K]
+  void* pool;            // [P, H, V, K] fp32 / bf16
+  int64_t pool_rows;     // P
+  const void* idx;       // [N] or [N, S]
   int idx_int64;
   int64_t slots;  // S (1 for 1-D)
   int spec;       // 2-D indices
@@ -409,8 +412,12 @@ Status launch_decode(const DecodeArgs& a, cudaStream_t stream) {
 }
 
 // Explicit instantiations live in kda_decode_sm90_d{64,128}.cu (fp32 and bf16 pools each).
-Status launch_decode_d64(const DecodeArgs& a, bool state_f32, cudaStream_t stream);
-Status launch_decode_d128(const DecodeArgs& a, bool state_f32, cudaStream_t stream);
+// `pipelined`: the persistent kernel of kda_decode_pipelined.cuh (the default; it rewrites the error
+// words itself), else the per-request kernels above (the caller clears the error word first).
+Status launch_decode_d64(const DecodeArgs& a, bool state_f32, bool pipelined, int num_sms,
+                         cudaStream_t stream);
+Status launch_decode_d128(const DecodeArgs& a, bool state_f32, bool pipelined, int num_sms,
+                          cudaStream_t stream);
 
 }  // namespace sm90
 }  // namespace flashkda

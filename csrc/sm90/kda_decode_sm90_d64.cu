@@ -1,9 +1,15 @@
 // Instantiation of the sm90 decode kernel for K = V = 64, fp32 and bf16 state pools.
+#include "sm90/kda_decode_pipelined.cuh"
 #include "sm90/kda_decode_sm90.cuh"
 
 namespace flashkda {
 namespace sm90 {
-Status launch_decode_d64(const DecodeArgs& a, bool state_f32, cudaStream_t stream) {
+Status launch_decode_d64(const DecodeArgs& a, bool state_f32, bool pipelined, int num_sms,
+                         cudaStream_t stream) {
+  if (pipelined) {
+    return state_f32 ? launch_decode_pipelined<64, true>(a, num_sms, stream)
+                     : launch_decode_pipelined<64, false>(a, num_sms, stream);
+  }
   return state_f32 ? launch_decode<64, true>(a, stream) : launch_decode<64, false>(a, stream);
 }
 }  // namespace sm90

@@ -17,26 +17,6 @@
 namespace flashkda {
 namespace sm90 {
 
-inline Status cuda_status(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return Status::ok_status();
-  return Status::cuda_error(std::string("flashkda: ") + what + ": " + cudaGetErrorString(e));
-}
-
-// Raises a kernel's dynamic shared memory limit once per device and process (the attribute sticks;
-// setting it on every call cost host time on the launch path).
-template <auto Kernel>
-cudaError_t set_smem_limit_once(int bytes) {
-  static std::atomic<uint64_t> done{0};
-  int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return e;
-  const uint64_t bit = 1ull << (dev & 63);
-  if (done.load(std::memory_order_acquire) & bit) return cudaSuccess;
-  e = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (e == cudaSuccess) done.fetch_or(bit, std::memory_order_acq_rel);
-  return e;
-}
-
 // Warps per state_recurrence block (each warp owns 16 state rows; a block handles 16 NW of the D
 // rows of one head): the widest block whose grid (N H D / (16 NW) blocks) still fits in one wave of
 // the GPU (4 or 8 warps: 1- and 2-warp blocks were measured slower, 781 vs 712 us of state

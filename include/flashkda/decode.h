@@ -85,7 +85,7 @@ struct DecodeShape {
 Status can_implement_decode(const DecodeParams& p, DecodeShape* shape = nullptr);
 
 // Bytes of workspace a decode call needs: none on CPU; a CUDA call needs this many bytes of device
-// memory (the error header: 256 today; sized from host numbers only, so one buffer serves every
+// memory (the error header: 4096 today; sized from host numbers only, so one buffer serves every
 // step).
 size_t workspace_size_decode(const DecodeParams& p);
 

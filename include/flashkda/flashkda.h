@@ -159,9 +159,12 @@ enum class DeviceError : int32_t {
   kStateSlotConflict = 6,    // a pool row written twice, or written by one request and read by another
 };
 const char* device_error_name(DeviceError e);
-// Synchronises `stream` and reads the error word (a debugging / validation aid, not for hot paths).
+// Synchronises `stream` and reads the error header (the first 4096 bytes of the workspace: 1024
+// error words; the first non-zero one is the error) - a debugging / validation aid, not for hot
+// paths.  Every run() / run_decode() reports its own call: prefill clears the header before its
+// kernels (a memset node), the decode kernel rewrites every word itself (no memset node).
 Status read_device_error(const void* workspace, Stream stream, DeviceError* err);
-// Clears the error word (asynchronously on `stream`).
+// Clears the error header (asynchronously on `stream`).
 Status clear_device_error(void* workspace, Stream stream);
 
 // True when the library was built with the CUDA kernels, and whether `device_index` can run them.

@@ -670,7 +670,7 @@ TEST_F(DecodeValidation, CudaTensorsNeedAWorkspace) {
       EXPECT_TRUE(can_implement_decode(d).ok()) << can_implement_decode(d).message;
       EXPECT_EQ(s.code, Status::Code::kInvalidArgument) << s.message;
       EXPECT_EQ(s.message,
-                "flashkda: argument 'workspace': expected at least 256 bytes of device memory "
+                "flashkda: argument 'workspace': expected at least 4096 bytes of device memory "
                 "(workspace_size_decode), got 0 (null pointer)");
     } else {
       EXPECT_FALSE(s.ok());  // no usable GPU in this build / machine
@@ -680,7 +680,7 @@ TEST_F(DecodeValidation, CudaTensorsNeedAWorkspace) {
     EXPECT_TRUE(untouched());
   }
   DecodeParams d;
-  EXPECT_EQ(workspace_size_decode(d), 256u);
+  EXPECT_EQ(workspace_size_decode(d), 4096u);
 }
 
 // ---------------------------------------------------------------------------------------------

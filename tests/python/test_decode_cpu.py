@@ -83,7 +83,7 @@ def test_decode_schema():
     assert str(torch.ops.flashkda.decode.default._schema) == str(torch._C.parse_schema(DECODE_SCHEMA))
     assert str(torch.ops.flashkda.get_decode_workspace_size.default._schema) == (
         "flashkda::get_decode_workspace_size() -> int")
-    assert torch.ops.flashkda.get_decode_workspace_size() == flashkda.get_decode_workspace_size() == 256
+    assert torch.ops.flashkda.get_decode_workspace_size() == flashkda.get_decode_workspace_size() == 4096
     assert flashkda.new_decode_workspace(torch.empty(1, 1, 2, 64)) is None  # CPU needs none
 
 

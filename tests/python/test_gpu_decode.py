@@ -239,6 +239,67 @@ def test_row_strided_inputs(gen, T):
     assert torch.equal(out, out2) and torch.equal(pool, pool2)
 
 
+@pytest.mark.parametrize("T", [1, 3])
+def test_two_byte_aligned_rows(gen, T):
+    """q, k, v, g rows at an odd bf16 offset (2-byte aligned only: the pipelined kernel's element-wise
+    staging path) and fp32 g at an offset of one float (4-byte pieces): bitwise the same as dense."""
+    N, H, D = 5, 16, 128
+    inp = tokens(gen, N=N, T=T, H=H, D=D)
+    for name in ("q", "k", "v", "g"):
+        inp[name] = strided_copy(inp[name], pad=3, offset=1)
+    assert inp["q"].data_ptr() % 4 == 2
+    P = N * T + 3
+    pool = new_pool(gen, P, H, D)
+    if T == 1:
+        idx, acc = perm(gen, P)[:N].to(DEV), None
+    else:
+        idx = perm(gen, P)[:N * T].view(N, T).to(DEV)
+        acc = torch.randint(1, T + 1, (N,), generator=gen).to(DEV)
+    pool2 = pool.clone()
+    out, *_ = check_decode(gen, inp, pool, idx, acc)
+    dense = dict(inp)
+    for name in ("q", "k", "v", "g"):
+        dense[name] = inp[name].contiguous()
+    out2 = run_decode(dense, pool2, idx, acc)
+    torch.cuda.synchronize()
+    assert torch.equal(out, out2) and torch.equal(pool, pool2)
+    g32 = dict(dense)
+    g32["g"] = strided_copy(dense["g"].float(), pad=3, offset=1)
+    assert g32["g"].data_ptr() % 8 == 4
+    check_decode(gen, g32, pool2.clone(), idx, acc)
+
+
+@pytest.mark.parametrize("state_dtype", [FP32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("spec", [False, True], ids=["1d", "2d"])
+def test_long_requests(gen, spec, state_dtype):
+    """Requests longer than the tokens a stage holds (4): the rest are read from global memory."""
+    rng = random.Random(seed_of(gen))
+    lens = [rng.choice([0, 1, 4, 5, 7, 9]) for _ in range(13)] + [9]
+    H, D = 8, 128
+    inp = tokens(gen, lens=lens, H=H, D=D)
+    N = len(lens)
+    if spec:
+        S = max(lens)
+        P = N * S + 5
+        idx = perm(gen, P)[:N * S].view(N, S).to(torch.int32).to(DEV)
+        acc = torch.randint(1, S + 1, (N,), generator=gen, dtype=torch.int32).to(DEV)
+    else:
+        P = N + 5
+        idx, acc = perm(gen, P)[:N].to(torch.int32).to(DEV), None
+    check_decode(gen, inp, new_pool(gen, P, H, D, state_dtype), idx, acc)
+
+
+def test_many_items_per_block(gen):
+    """More work items than blocks x 32 (the producer resolves items 32 at a time), with padding."""
+    N, H, D = 300, 16, 128
+    inp = tokens(gen, N=N, T=1, H=H, D=D)
+    P = N + 7
+    idx = perm(gen, P)[:N].to(DEV)
+    idx[::17] = -1
+    out, *_ = check_decode(gen, inp, new_pool(gen, P, H, D), idx)
+    assert torch.count_nonzero(out[::17]) == 0
+
+
 def test_strided_beta_only(gen):
     """Only beta is a slice of a fused projection (the common serving case)."""
     inp = tokens(gen, N=9, T=1, H=16, D=128)

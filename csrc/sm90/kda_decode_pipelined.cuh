@@ -1,0 +1,465 @@
+// decode_pipelined_kernel: the decode / speculative-decode path on a state pool (spec section 4)
+// as a persistent, warp-specialised pipeline.  Same math and layout as the per-request kernels of
+// kda_decode_sm90.cuh (kda_token_recurrence.cuh: each consumer thread holds 16 columns of two state
+// rows in registers); what changes is how the bytes move.
+//
+// Why: a decode step is a pure state stream (64 KB read + 64 KB written per request and head for
+// D = 128 fp32), so its speed is the number of state bytes in flight per SM.  One block per
+// (request, head, row slice) keeps a chain of dependent round trips per block (index -> state ->
+// stores) with only 16 KB in flight per block: 61-71% of copy bandwidth (perf-notes d1-d5).  Here
+// each block walks many work items and a producer warp keeps kDecodeStages items' state in flight.
+//
+// Work item: (request n, head h, row slice): kRowsPerBlock = 32 (D = 128) or 64 (D = 64) rows of the
+// [V, K] state, one contiguous 16 KB (fp32) / 8 KB (bf16) run of the pool row, moved by one TMA bulk
+// copy.  Block b walks items b, b + G, b + 2G, ... (G = gridDim.x <= 2 per SM, kDecodeErrorSlots).
+//
+// Warp roles (160 threads, 2 blocks per SM):
+//   warp 4, producer: resolves 32 items at a time, one per lane (cu_seqlens, num_accepted, the read
+//     slot, every index entry and token row checked, beta, exp(A_log)) into a shared table, so the
+//     chain of dependent index loads is paid once per 32 items; then per item: waits for a free
+//     stage, TMA bulk copy of the state slice, cp.async of the raw q, k, g, v of up to kStageTokens
+//     tokens and of dt_bias, all completing on the stage's `full` mbarrier.  After priming the
+//     pipeline it also runs the pool-row conflict check for the requests it owns (n = b mod G).
+//   warps 0-3, consumers: wait `full`, copy the state slice into registers, preprocess the staged
+//     tokens (each warp for itself: l2norm, gate, beta), release the stage (`empty`), run the tokens,
+//     write out and the state (directly from registers: stores need no staging).
+// Shared memory (D = 128, fp32 pool): 4 stages x (16 KB state + 4.4 KB raw tokens + dt_bias + item)
+// + 32-item table + per-warp token buffers ~ 102 KB.
+//
+// Errors: a bad request (cu_seqlens pair, num_accepted, an index >= P, a token row) writes nothing
+// and its code goes to the block's error word; conflicts between requests are reported the same
+// way.  The error words: block b writes words b, b + G, ... < kDecodeErrorSlots of the workspace
+// every call (its code, then zeros), so all of them are rewritten by every call and the host needs no
+// clearing memset before it (read_device_error returns the first non-zero word).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "sm90/kda_decode_sm90.cuh"
+
+namespace flashkda {
+namespace sm90 {
+
+constexpr int kStageTokens = 4;          // tokens per item whose raw inputs the producer stages
+constexpr int kDecodeStages = 4;         // items in flight per block
+constexpr int kDecodeErrorSlots = 1024;  // error words; also the grid bound
+constexpr int kDecodeProducerWarp = kTokenWarps;
+constexpr int kDecodeThreads = (kTokenWarps + 1) * 32;
+constexpr int kDecodeBlocksPerSm = 2;
+
+// What the producer resolves for one work item.
+struct DecodeItem {
+  int64_t batch, bos, len, read;  // read < 0: padded request
+  int64_t row[kStageTokens];      // input/output row of the first tokens
+  int64_t slot[kStageTokens];     // spec: write slot of the first tokens (-1: none)
+  float beta[kStageTokens];       // raw beta of the first tokens
+  float expA;                     // exp(A_log[h]) (0 for the precomputed gate)
+  int err;                        // DeviceError code, 0 when the request is valid
+  int64_t n;
+  int h, slice;
+  int nstaged;  // tokens whose raw inputs are in the stage
+};
+
+template <int D, bool kF32>
+struct DecodeStage {
+  static constexpr int kRows = TokenLayout<D>::kRowsPerBlock;
+  static constexpr int kStateBytes = kRows * D * (kF32 ? 4 : 2);
+  alignas(128) unsigned char state[kStateBytes];
+  alignas(16) bf16 q[kStageTokens][D];
+  alignas(16) bf16 k[kStageTokens][D];
+  alignas(16) unsigned char g[kStageTokens][D * 4];  // fp32 or bf16 as given
+  alignas(16) bf16 v[kStageTokens][kRows];
+  alignas(16) float dtb[D];
+  DecodeItem info;
+};
+
+template <int D, bool kF32>
+struct DecodeSmem {
+  DecodeStage<D, kF32> stage[kDecodeStages];
+  DecodeItem tab[32];
+  TokenBuf<D> buf[kTokenWarps][kWarpTokens];
+  uint64_t full[kDecodeStages];
+  uint64_t empty[kDecodeStages];
+  int err;
+};
+
+// ---- mbarrier, TMA bulk copy and cp.async primitives (sm_90) -------------------------------------
+__device__ inline void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ inline void mbar_arrive(uint64_t* bar) {
+  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_addr(bar))
+               : "memory");
+}
+__device__ inline void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(
+                   smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ inline void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra "
+      "WAIT;\n}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+// The barrier tracks this thread's earlier cp.async copies (pending count +1, then an arrival when
+// they land: a net zero, so the thread still arrives itself).
+__device__ inline void cp_async_mbar_arrive(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ inline void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+          smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+
+// Copies `bytes` (a multiple of `align`) from global to shared memory with the warp's lanes, in
+// cp.async pieces of `align` bytes (16, 8, 4), or synchronously for 2-byte aligned rows.
+__device__ inline void copy_row_async(void* dst, const void* src, int bytes, int align, int lane) {
+  char* d = static_cast<char*>(dst);
+  const char* s = static_cast<const char*>(src);
+  if (align >= 16) {
+    for (int o = lane * 16; o < bytes; o += 32 * 16)
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(d + o)), "l"(s + o)
+                   : "memory");
+  } else if (align == 8) {
+    for (int o = lane * 8; o < bytes; o += 32 * 8)
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(d + o)), "l"(s + o)
+                   : "memory");
+  } else if (align == 4) {
+    for (int o = lane * 4; o < bytes; o += 32 * 4)
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(d + o)), "l"(s + o)
+                   : "memory");
+  } else {
+    for (int o = lane * 2; o < bytes; o += 32 * 2)
+      *reinterpret_cast<uint16_t*>(d + o) = *reinterpret_cast<const uint16_t*>(s + o);
+  }
+}
+
+// ---- the producer's per-item resolution -------------------------------------------------------------
+// One lane per item; every load here depends at most on cu_seqlens -> num_accepted -> index, and the
+// 32 lanes' chains overlap.  Mirrors the checks of the per-request kernels (decode_span,
+// decode_read_slot, decode_entries_error) so the semantics are identical.
+template <int D>
+__device__ inline DecodeItem resolve_decode_item(const DecodeArgs& a, int64_t item) {
+  constexpr int kSlices = D / TokenLayout<D>::kRowsPerBlock;
+  DecodeItem it;
+  const int64_t per_request = static_cast<int64_t>(a.H) * kSlices;
+  it.n = item / per_request;
+  const int64_t rem = item % per_request;
+  it.h = static_cast<int>(rem / kSlices);
+  it.slice = static_cast<int>(rem % kSlices);
+  it.read = -1;
+  it.nstaged = 0;
+  it.expA = 0.f;
+  int err =
+      decode_span(a, it.n, &it.batch, &it.bos, &it.len) ? 0 : static_cast<int>(DeviceError::kBadCuSeqlens);
+  if (err == 0) err = decode_read_slot(a, it.n, it.len, &it.read);
+  const int ns = err == 0 ? static_cast<int>(it.len < kStageTokens ? it.len : kStageTokens) : 0;
+  // Rows and write slots of the staged tokens (loads issued together), then their checks.
+#pragma unroll
+  for (int t = 0; t < kStageTokens; ++t) {
+    it.row[t] = 0;
+    it.slot[t] = -1;
+    it.beta[t] = 0.f;
+    if (t < ns) {
+      it.row[t] = a.token_rows != nullptr ? load_index(a.token_rows, a.rows_int64, it.bos + t) : it.bos + t;
+      if (a.spec && t < a.slots) it.slot[t] = slot_at(a, it.n, t);
+    }
+  }
+  if (err == 0) {
+#pragma unroll
+    for (int t = 0; t < kStageTokens; ++t) {
+      if (t < ns) {
+        if (it.row[t] < 0 || it.row[t] >= a.num_rows) err = static_cast<int>(DeviceError::kBadTokenRow);
+        if (it.slot[t] >= a.pool_rows) err = static_cast<int>(DeviceError::kBadStateIndex);
+      }
+    }
+    // The remaining entries: index entries beyond the staged ones (every entry of the request's row
+    // must be < P) and token rows beyond them.
+    for (int64_t e = a.spec ? ns : 1; e < a.slots; ++e) {
+      if (slot_at(a, it.n, e) >= a.pool_rows) err = static_cast<int>(DeviceError::kBadStateIndex);
+    }
+    if (a.token_rows != nullptr) {
+      for (int64_t t = ns; t < it.len; ++t) {
+        const int64_t r = load_index(a.token_rows, a.rows_int64, it.bos + t);
+        if (r < 0 || r >= a.num_rows) err = static_cast<int>(DeviceError::kBadTokenRow);
+      }
+    }
+  }
+  if (err == 0 && it.read >= 0) {
+#pragma unroll
+    for (int t = 0; t < kStageTokens; ++t) {
+      if (t < ns)
+        it.beta[t] = load_scalar(a.beta, a.beta_fp32, it.batch * a.beta_sb + it.row[t] * a.beta_st + it.h);
+    }
+    if (a.gate_mode != kGatePrecomputed) it.expA = expf(a.A_log[it.h]);
+  }
+  it.nstaged = ns;
+  it.err = err;
+  return it;
+}
+
+// Producer: per item, the stage's state slice (TMA bulk) and the staged tokens' raw inputs (cp.async).
+template <int D, bool kF32>
+__device__ inline void issue_decode_item(const DecodeArgs& a, const DecodeItem& it, DecodeStage<D, kF32>& st,
+                                         uint64_t* full, int lane) {
+  using Stage = DecodeStage<D, kF32>;
+  constexpr int R = Stage::kRows;
+  const bool live = it.err == 0 && it.read >= 0 && it.len > 0;
+  if (lane == 0) st.info = it;
+  if (live) {
+    const int h = it.h;
+    for (int t = 0; t < it.nstaged; ++t) {
+      const int64_t row = it.row[t];
+      copy_row_async(st.q[t], a.q + it.batch * a.q_sb + row * a.q_st + static_cast<int64_t>(h) * D, D * 2,
+                     a.align_q, lane);
+      copy_row_async(st.k[t], a.k + it.batch * a.k_sb + row * a.k_st + static_cast<int64_t>(h) * D, D * 2,
+                     a.align_k, lane);
+      const int ge = a.g_fp32 ? 4 : 2;
+      copy_row_async(st.g[t],
+                     static_cast<const char*>(a.g) +
+                         (it.batch * a.g_sb + row * a.g_st + static_cast<int64_t>(h) * D) * ge,
+                     D * ge, a.align_g, lane);
+      copy_row_async(st.v[t],
+                     a.v + it.batch * a.v_sb + row * a.v_st + static_cast<int64_t>(h) * D +
+                         static_cast<int64_t>(it.slice) * R,
+                     R * 2, a.align_v, lane);
+    }
+    if (a.gate_mode != kGatePrecomputed)
+      copy_row_async(st.dtb, a.dt_bias + static_cast<int64_t>(h) * D, D * 4, a.align_dtb, lane);
+  }
+  cp_async_mbar_arrive(full);
+  if (lane == 0 && live) {
+    const int64_t head_rows = static_cast<int64_t>(a.H) * D;
+    const char* src =
+        static_cast<const char*>(a.pool) +
+        ((it.read * head_rows + static_cast<int64_t>(it.h) * D + static_cast<int64_t>(it.slice) * R) * D) *
+            (kF32 ? 4 : 2);
+    mbar_arrive_expect_tx(full, Stage::kStateBytes);
+    bulk_load(st.state, src, Stage::kStateBytes, full);
+  } else {
+    mbar_arrive(full);
+  }
+}
+
+// Whether request n (valid, not padded) shares a pool row with another request (see
+// report_decode_conflicts); lanes of the calling warp split the other requests.
+__device__ inline bool decode_request_conflicts(const DecodeArgs& a, int64_t n, int lane) {
+  int64_t batch, bos, len, read = -1;
+  if (!decode_span(a, n, &batch, &bos, &len)) return false;
+  if (decode_read_slot(a, n, len, &read) != 0 || read < 0) return false;
+  bool conflict = false;
+  if (a.spec) {
+    for (int64_t e = lane; e < len * len; e += 32) {
+      const int64_t t1 = e / len, t2 = e % len;
+      if (t1 < t2) {
+        const int64_t w1 = slot_at(a, n, t1);
+        if (w1 >= 0 && w1 == slot_at(a, n, t2)) conflict = true;
+      }
+    }
+  }
+  for (int64_t m = lane; m < a.N; m += 32) {
+    if (m != n && decode_conflicts(a, n, len, read, m)) conflict = true;
+  }
+  return __any_sync(0xffffffffu, conflict);
+}
+
+template <int D, bool kF32>
+__global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
+    decode_pipelined_kernel(const DecodeArgs a, const int64_t total_items) {
+  using TL = TokenLayout<D>;
+  using Stage = DecodeStage<D, kF32>;
+  using StateT = typename std::conditional<kF32, float, bf16>::type;
+  constexpr int PC = TL::kColsPerLane;
+  constexpr int kR = TL::kRowsPerThread;
+  constexpr int R = Stage::kRows;
+  static_assert(Stage::kStateBytes % 16 == 0, "TMA bulk copies move multiples of 16 bytes");
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  DecodeSmem<D, kF32>& sm = *reinterpret_cast<DecodeSmem<D, kF32>*>(smem_raw);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t G = gridDim.x;
+  if (tid == 0) {
+    for (int s = 0; s < kDecodeStages; ++s) {
+      mbar_init(&sm.full[s], 32);                 // the producer's lanes
+      mbar_init(&sm.empty[s], kTokenWarps * 32);  // every consumer thread
+    }
+    sm.err = 0;
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == kDecodeProducerWarp) {
+    // ---------------------------------------------------------------- producer
+    int64_t k = 0;  // items issued
+    bool checked = false;
+    for (int64_t first = blockIdx.x; first < total_items; first += 32 * G) {
+      const int64_t mine = first + lane * G;
+      if (mine < total_items) sm.tab[lane] = resolve_decode_item<D>(a, mine);
+      __syncwarp();
+      const int64_t left = (total_items - first + G - 1) / G;
+      const int cnt = static_cast<int>(left < 32 ? left : 32);
+      for (int l = 0; l < cnt; ++l, ++k) {
+        if (k == kDecodeStages && !checked) {
+          // The pipeline is primed: check pool-row conflicts of the owned requests while the
+          // consumers work (the check is a few L2 round trips per request).
+          for (int64_t n = blockIdx.x; n < a.N; n += G)
+            if (decode_request_conflicts(a, n, lane) && lane == 0)
+              atomicCAS(&sm.err, 0, static_cast<int>(DeviceError::kStateSlotConflict));
+          checked = true;
+        }
+        const int s = static_cast<int>(k % kDecodeStages);
+        if (k >= kDecodeStages) mbar_wait(&sm.empty[s], static_cast<uint32_t>((k / kDecodeStages - 1) & 1));
+        const DecodeItem& it = sm.tab[l];
+        if (lane == 0 && it.err != 0) atomicCAS(&sm.err, 0, it.err);
+        issue_decode_item<D, kF32>(a, it, sm.stage[s], &sm.full[s], lane);
+      }
+      __syncwarp();  // the table is rewritten by the next 32 items
+    }
+    if (!checked) {
+      for (int64_t n = blockIdx.x; n < a.N; n += G)
+        if (decode_request_conflicts(a, n, lane) && lane == 0)
+          atomicCAS(&sm.err, 0, static_cast<int>(DeviceError::kStateSlotConflict));
+    }
+  } else {
+    // ---------------------------------------------------------------- consumers
+    const int j = lane % TL::kLanesPerRow;
+    const int64_t head_rows = static_cast<int64_t>(a.H) * D;
+    StateT* pool = static_cast<StateT*>(a.pool);
+    TokenBuf<D>* wbuf = sm.buf[warp];
+    int64_t k = 0;
+    for (int64_t item = blockIdx.x; item < total_items; item += G, ++k) {
+      const int s = static_cast<int>(k % kDecodeStages);
+      mbar_wait(&sm.full[s], static_cast<uint32_t>((k / kDecodeStages) & 1));
+      Stage& st = sm.stage[s];
+      // Scalars of the item in registers (the stage is released before the math); the per-token
+      // arrays are read from the stage while it is held.
+      const DecodeItem& info = st.info;
+      const int64_t batch = info.batch, bos = info.bos, len = info.len, read = info.read, n = info.n;
+      const int h = info.h, slice = info.slice, nstaged = info.nstaged, err = info.err;
+      const float expA = info.expA;
+      if (err != 0 || len == 0) {
+        mbar_arrive(&sm.empty[s]);
+        continue;
+      }
+      int vrow[kR], local[kR];
+#pragma unroll
+      for (int q = 0; q < kR; ++q) {
+        vrow[q] = TL::row(slice, q, warp, lane);
+        local[q] = vrow[q] - slice * R;
+      }
+      const int64_t out_col = static_cast<int64_t>(h) * D;
+      if (read < 0) {  // padded request: zero its outputs, touch no state
+        if (j == 0) {
+          for (int64_t t = 0; t < len; ++t) {
+            const int64_t row = t < nstaged ? info.row[t] : mapped_row(a, bos + t);
+            bf16* o = a.out + batch * a.out_sb + row * a.out_st + out_col;
+#pragma unroll
+            for (int q = 0; q < kR; ++q) o[vrow[q]] = __float2bfloat16_rn(0.f);
+          }
+        }
+        mbar_arrive(&sm.empty[s]);
+        continue;
+      }
+      float sreg[kR][16];
+#pragma unroll
+      for (int q = 0; q < kR; ++q)
+        load_state_row<D, kF32>(st.state + static_cast<size_t>(local[q]) * D * (kF32 ? 4 : 2), j, sreg[q]);
+      float dtb[PC];
+#pragma unroll
+      for (int i = 0; i < PC; ++i) dtb[i] = a.gate_mode != kGatePrecomputed ? st.dtb[lane * PC + i] : 0.f;
+      bool released = false;
+      for (int64_t c0 = 0; c0 < len; c0 += kWarpTokens) {
+        const int nt = static_cast<int>(len - c0 < kWarpTokens ? len - c0 : kWarpTokens);
+        float b[kWarpTokens], vcur[kR][kWarpTokens];
+        int64_t rows[kWarpTokens], slots[kWarpTokens];
+#pragma unroll
+        for (int i = 0; i < kWarpTokens; ++i) {
+          if (i < nt) {
+            const int64_t t = c0 + i;
+            TokenRaw<D> raw;
+            if (t < nstaged) {  // from the stage
+              const int c = lane * PC;
+#pragma unroll
+              for (int e = 0; e < PC; ++e) {
+                raw.q[e] = __bfloat162float(st.q[t][c + e]);
+                raw.k[e] = __bfloat162float(st.k[t][c + e]);
+                raw.g[e] = a.g_fp32 ? reinterpret_cast<const float*>(st.g[t])[c + e]
+                                    : __bfloat162float(reinterpret_cast<const bf16*>(st.g[t])[c + e]);
+              }
+              raw.beta = info.beta[t];
+#pragma unroll
+              for (int q = 0; q < kR; ++q) vcur[q][i] = __bfloat162float(st.v[t][local[q]]);
+              rows[i] = info.row[t];
+              slots[i] = info.slot[t];
+            } else {  // beyond the staged tokens (long requests): straight from global memory
+              rows[i] = mapped_row(a, bos + t);
+              load_token<D>(a, batch, rows[i], h, lane, raw);
+              const int64_t vb = batch * a.v_sb + rows[i] * a.v_st + out_col;
+#pragma unroll
+              for (int q = 0; q < kR; ++q) vcur[q][i] = __bfloat162float(a.v[vb + vrow[q]]);
+              slots[i] = a.spec ? slot_at(a, n, t) : -1;
+            }
+            b[i] = preprocess_token<D>(a, raw, expA, dtb, wbuf[i], lane);
+          }
+        }
+        if (!released && c0 + kWarpTokens >= nstaged) {  // this thread's last read of the stage
+          mbar_arrive(&sm.empty[s]);
+          released = true;
+        }
+        __syncwarp();
+#pragma unroll
+        for (int i = 0; i < kWarpTokens; ++i) {
+          if (i < nt) {
+            bf16* orow = a.out + batch * a.out_sb + rows[i] * a.out_st + out_col;
+            const int64_t w = slots[i];
+#pragma unroll
+            for (int q = 0; q < kR; ++q) {
+              const float o = advance_row<D>(sreg[q], wbuf[i], j, b[i], vcur[q][i]);
+              if (j == 0) orow[vrow[q]] = __float2bfloat16_rn(o);
+              if (w >= 0)
+                store_state_row<D, kF32>(pool + (w * head_rows + out_col + vrow[q]) * D, j, sreg[q]);
+            }
+          }
+        }
+        __syncwarp();  // the warp's token buffers are rewritten by the next pair
+      }
+      if (!released) mbar_arrive(&sm.empty[s]);
+      if (!a.spec) {
+#pragma unroll
+        for (int q = 0; q < kR; ++q)
+          store_state_row<D, kF32>(pool + (read * head_rows + out_col + vrow[q]) * D, j, sreg[q]);
+      }
+    }
+  }
+
+  // Every error word is rewritten by every call (see the header comment).
+  __syncthreads();
+  if (tid == 0) {
+    for (int64_t w = blockIdx.x; w < kDecodeErrorSlots; w += G)
+      a.error_word[w] = w == blockIdx.x ? sm.err : 0;
+  }
+}
+
+template <int D, bool kF32>
+Status launch_decode_pipelined(const DecodeArgs& a, int num_sms, cudaStream_t stream) {
+  constexpr int kSlices = D / TokenLayout<D>::kRowsPerBlock;
+  const int64_t total = static_cast<int64_t>(a.N) * a.H * kSlices;
+  int64_t grid = static_cast<int64_t>(num_sms) * kDecodeBlocksPerSm;
+  if (grid > kDecodeErrorSlots) grid = kDecodeErrorSlots;
+  if (grid > total) grid = total;
+  if (grid < 1) grid = 1;
+  const size_t smem = sizeof(DecodeSmem<D, kF32>);
+  const cudaError_t e = set_smem_limit_once<decode_pipelined_kernel<D, kF32>>(static_cast<int>(smem));
+  if (e != cudaSuccess) return cuda_status(e, "decode_pipelined_kernel attribute");
+  decode_pipelined_kernel<D, kF32><<<static_cast<unsigned>(grid), kDecodeThreads, smem, stream>>>(a, total);
+  return cuda_status(cudaGetLastError(), "decode_pipelined_kernel launch");
+}
+
+}  // namespace sm90
+}  // namespace flashkda
