@@ -289,6 +289,22 @@ def test_long_requests(gen, spec, state_dtype):
     check_decode(gen, inp, new_pool(gen, P, H, D, state_dtype), idx, acc)
 
 
+@pytest.mark.parametrize("N", [1, 300])
+def test_garbage_workspace_reports_this_call(gen, N):
+    """The decode call rewrites the whole error header itself (no clearing node): a workspace full of
+    garbage reads clean after a valid call, and a bad call then a valid one reads clean again."""
+    H, D = 4, 128
+    inp = tokens(gen, N=N, T=1, H=H, D=D)
+    ws = torch.full((int(torch.ops.flashkda.get_decode_workspace_size()),), 0xAB, dtype=torch.uint8, device=DEV)
+    P = N + 2
+    check_decode(gen, inp, new_pool(gen, P, H, D), perm(gen, P)[:N].to(DEV), ws=ws)
+    bad = perm(gen, P)[:N].to(DEV)
+    bad[N // 2] = P  # out of range
+    run_decode(inp, new_pool(gen, P, H, D), bad, ws=ws)
+    assert flashkda.read_device_error(ws) == ERR_STATE_INDEX
+    check_decode(gen, inp, new_pool(gen, P, H, D), perm(gen, P)[:N].to(DEV), ws=ws)
+
+
 def test_many_items_per_block(gen):
     """More work items than blocks x 32 (the producer resolves items 32 at a time), with padding."""
     N, H, D = 300, 16, 128
