@@ -11,7 +11,8 @@
 #   BENCHES="prefill decode" (default) selects the benchmarks; PYTEST_PATHS (default tests/python)
 #               narrows the GPU tests, e.g. PYTEST_PATHS=tests/python/test_gpu_decode.py BENCHES=decode
 #   NCU=1       also Nsight Compute sections of both kernels; SANITIZE=0 skips compute-sanitizer
-#   DECODE_AB=1 also the decode benchmark with FLASHKDA_DECODE_KERNEL=per_request (A/B of the kernels)
+#   DECODE_VARIANTS="FLASHKDA_DECODE_KERNEL=per_request FLASHKDA_DECODE_PDL=0" also runs the decode
+#               benchmark (without fla) once per VAR=VALUE setting: bench_decode_<var>_<value>.json
 # Usage from the device tool (the device copy of the tree has no usable git history, so pass the
 # commit in): FLASHKDA_COMMIT=<sha> MODE=full bash scripts/gpu_run.sh, carrying .whl (fla-core and
 # its pure-Python deps as wheels) and, to skip fla's ~90 s autotune per head count, .cache with the
@@ -58,10 +59,11 @@ if [[ "$BENCHES" == *" decode "* ]]; then
   DARGS=""
   [ "$MODE" = quick ] && DARGS="--quick"
   python3 bench/bench_decode.py --json "$OUT/bench_decode.json" --md "$OUT/bench_decode.md" $DARGS ${DECODE_BENCH_ARGS:-}
-  if [ "${DECODE_AB:-0}" = 1 ]; then  # the same with the per-request kernels (A/B of the decode kernels)
-    FLASHKDA_DECODE_KERNEL=per_request python3 bench/bench_decode.py --json "$OUT/bench_decode_per_request.json" \
-      --md "$OUT/bench_decode_per_request.md" --no-fla $DARGS ${DECODE_BENCH_ARGS:-}
-  fi
+  for var in ${DECODE_VARIANTS:-}; do  # e.g. FLASHKDA_DECODE_KERNEL=per_request: A/B of decode variants
+    tag=$(echo "$var" | tr 'A-Z=' 'a-z_')
+    env "$var" python3 bench/bench_decode.py --json "$OUT/bench_decode_$tag.json" --md "$OUT/bench_decode_$tag.md" \
+      --no-fla $DARGS ${DECODE_BENCH_ARGS:-}
+  done
 fi
 if [ -d /tmp/triton_cache ]; then tar czf - -C /tmp triton_cache | split -b 15M - "$OUT/triton_cache.tgz.part"; fi
 echo "total: $(( $(date +%s) - t0 )) s"

@@ -58,6 +58,16 @@ bool decode_pipelined() {
   return pipelined;
 }
 
+// Dev switch: FLASHKDA_DECODE_PDL=0 launches the pipelined decode kernel without programmatic
+// dependent launch.
+bool decode_pdl() {
+  static const bool pdl = [] {
+    const char* e = std::getenv("FLASHKDA_DECODE_PDL");
+    return e == nullptr || std::strcmp(e, "0") != 0;
+  }();
+  return pdl;
+}
+
 }  // namespace
 
 Status cuda_device_supported(int device_index) {
@@ -238,8 +248,8 @@ Status run_decode_cuda(const DecodeParams& p, const DecodeShape& shape, void* wo
   if (a.N == 0 || a.H == 0) return Status::ok_status();
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const int sms = g_num_sms[p.q.device_index].load();
-  if (shape.K == 128) return sm90::launch_decode_d128(a, f32, pipelined, sms, s);
-  return sm90::launch_decode_d64(a, f32, pipelined, sms, s);
+  if (shape.K == 128) return sm90::launch_decode_d128(a, f32, pipelined, decode_pdl(), sms, s);
+  return sm90::launch_decode_d64(a, f32, pipelined, decode_pdl(), sms, s);
 }
 
 }  // namespace detail

@@ -293,6 +293,11 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
+  // Programmatic dependent launch: the set-up above overlaps the previous kernel's tail; every
+  // thread waits for it (its writes visible) before touching global memory, and lets the next kernel
+  // launch its own set-up into free SM slots.  Without the launch attribute both are no-ops.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
   if (warp == kDecodeProducerWarp) {
     // ---------------------------------------------------------------- producer
@@ -447,7 +452,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
 }
 
 template <int D, bool kF32>
-Status launch_decode_pipelined(const DecodeArgs& a, int num_sms, cudaStream_t stream) {
+Status launch_decode_pipelined(const DecodeArgs& a, int num_sms, bool pdl, cudaStream_t stream) {
   constexpr int kSlices = D / TokenLayout<D>::kRowsPerBlock;
   const int64_t total = static_cast<int64_t>(a.N) * a.H * kSlices;
   int64_t grid = static_cast<int64_t>(num_sms) * kDecodeBlocksPerSm;
@@ -457,8 +462,18 @@ Status launch_decode_pipelined(const DecodeArgs& a, int num_sms, cudaStream_t st
   const size_t smem = sizeof(DecodeSmem<D, kF32>);
   const cudaError_t e = set_smem_limit_once<decode_pipelined_kernel<D, kF32>>(static_cast<int>(smem));
   if (e != cudaSuccess) return cuda_status(e, "decode_pipelined_kernel attribute");
-  decode_pipelined_kernel<D, kF32><<<static_cast<unsigned>(grid), kDecodeThreads, smem, stream>>>(a, total);
-  return cuda_status(cudaGetLastError(), "decode_pipelined_kernel launch");
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid));
+  cfg.blockDim = dim3(kDecodeThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cuda_status(cudaLaunchKernelEx(&cfg, decode_pipelined_kernel<D, kF32>, a, total),
+                     "decode_pipelined_kernel launch");
 }
 
 }  // namespace sm90

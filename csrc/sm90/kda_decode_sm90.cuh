@@ -414,9 +414,11 @@ Status launch_decode(const DecodeArgs& a, cudaStream_t stream) {
 // Explicit instantiations live in kda_decode_sm90_d{64,128}.cu (fp32 and bf16 pools each).
 // `pipelined`: the persistent kernel of kda_decode_pipelined.cuh (the default; it rewrites the error
 // words itself), else the per-request kernels above (the caller clears the error word first).
-Status launch_decode_d64(const DecodeArgs& a, bool state_f32, bool pipelined, int num_sms,
+// `pdl`: launch the pipelined kernel with programmatic stream serialisation (its set-up overlaps the
+// previous kernel's tail; see decode_pipelined_kernel).
+Status launch_decode_d64(const DecodeArgs& a, bool state_f32, bool pipelined, bool pdl, int num_sms,
                          cudaStream_t stream);
-Status launch_decode_d128(const DecodeArgs& a, bool state_f32, bool pipelined, int num_sms,
+Status launch_decode_d128(const DecodeArgs& a, bool state_f32, bool pipelined, bool pdl, int num_sms,
                           cudaStream_t stream);
 
 }  // namespace sm90

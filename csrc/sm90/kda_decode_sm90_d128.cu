@@ -4,11 +4,11 @@
 
 namespace flashkda {
 namespace sm90 {
-Status launch_decode_d128(const DecodeArgs& a, bool state_f32, bool pipelined, int num_sms,
+Status launch_decode_d128(const DecodeArgs& a, bool state_f32, bool pipelined, bool pdl, int num_sms,
                           cudaStream_t stream) {
   if (pipelined) {
-    return state_f32 ? launch_decode_pipelined<128, true>(a, num_sms, stream)
-                     : launch_decode_pipelined<128, false>(a, num_sms, stream);
+    return state_f32 ? launch_decode_pipelined<128, true>(a, num_sms, pdl, stream)
+                     : launch_decode_pipelined<128, false>(a, num_sms, pdl, stream);
   }
   return state_f32 ? launch_decode<128, true>(a, stream) : launch_decode<128, false>(a, stream);
 }
