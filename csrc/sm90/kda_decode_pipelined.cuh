@@ -13,18 +13,20 @@
 // [V, K] state, one contiguous 16 KB (fp32) / 8 KB (bf16) run of the pool row, moved by one TMA bulk
 // copy.  Block b walks items b, b + G, b + 2G, ... (G = gridDim.x <= 2 per SM, kDecodeErrorSlots).
 //
-// Warp roles (160 threads, 2 blocks per SM):
+// Warp roles (192 threads, 2 blocks per SM):
 //   warp 4, producer: resolves 32 items at a time, one per lane (cu_seqlens, num_accepted, the read
 //     slot, every index entry and token row checked, beta, exp(A_log)) into a shared table, so the
 //     chain of dependent index loads is paid once per 32 items; then per item: waits for a free
 //     stage, TMA bulk copy of the state slice, cp.async of the raw q, k, g, v of up to kStageTokens
-//     tokens and of dt_bias, all completing on the stage's `full` mbarrier.  After priming the
-//     pipeline it also runs the pool-row conflict check for the requests it owns (n = b mod G).
+//     tokens and of dt_bias, all completing on the stage's `full` mbarrier.
+//   warp 5, checker: the pool-row conflict check of the requests the block owns (n = b mod G), a
+//     chain of L2 round trips kept off the producer's path.
 //   warps 0-3, consumers: wait `full`, copy the state slice into registers, preprocess the staged
-//     tokens (each warp for itself: l2norm, gate, beta), release the stage (`empty`), run the tokens,
-//     write out and the state (directly from registers: stores need no staging).
+//     tokens (one token: each warp for itself; several: split over the warps behind a named
+//     barrier), release the stage (`empty`), run the tokens, write out and the state (directly from
+//     registers: stores need no staging).
 // Shared memory (D = 128, fp32 pool): 4 stages x (16 KB state + 4.4 KB raw tokens + dt_bias + item)
-// + 32-item table + per-warp token buffers ~ 102 KB.
+// + 32-item table + shared and per-warp token buffers ~ 103 KB; 152-156 registers.
 //
 // Errors: a bad request (cu_seqlens pair, num_accepted, an index >= P, a token row) writes nothing
 // and its code goes to the block's error word; conflicts between requests are reported the same
@@ -44,7 +46,8 @@ constexpr int kStageTokens = 4;          // tokens per item whose raw inputs the
 constexpr int kDecodeStages = 4;         // items in flight per block
 constexpr int kDecodeErrorSlots = 1024;  // error words; also the grid bound
 constexpr int kDecodeProducerWarp = kTokenWarps;
-constexpr int kDecodeThreads = (kTokenWarps + 1) * 32;
+constexpr int kDecodeCheckerWarp = kTokenWarps + 1;
+constexpr int kDecodeThreads = (kTokenWarps + 2) * 32;
 constexpr int kDecodeBlocksPerSm = 2;
 
 // What the producer resolves for one work item.
@@ -77,7 +80,9 @@ template <int D, bool kF32>
 struct DecodeSmem {
   DecodeStage<D, kF32> stage[kDecodeStages];
   DecodeItem tab[32];
-  TokenBuf<D> buf[kTokenWarps][kWarpTokens];
+  TokenBuf<D> tok[kStageTokens];  // staged tokens split over the consumer warps
+  float tok_beta[kStageTokens];
+  TokenBuf<D> own[kTokenWarps];  // per warp: single-token items, tokens past the stage
   uint64_t full[kDecodeStages];
   uint64_t empty[kDecodeStages];
   int err;
@@ -158,19 +163,29 @@ __device__ inline DecodeItem resolve_decode_item(const DecodeArgs& a, int64_t it
   it.expA = 0.f;
   int err =
       decode_span(a, it.n, &it.batch, &it.bos, &it.len) ? 0 : static_cast<int>(DeviceError::kBadCuSeqlens);
-  if (err == 0) err = decode_read_slot(a, it.n, it.len, &it.read);
   const int ns = err == 0 ? static_cast<int>(it.len < kStageTokens ? it.len : kStageTokens) : 0;
-  // Rows and write slots of the staged tokens (loads issued together), then their checks.
+  // Everything that depends only on the span is issued before the read slot resolves (its index
+  // load is the round trip that gates the state copy): A_log, the rows and write slots of the staged
+  // tokens, and beta at rows bos + t when there is no token_rows map (always in bounds; discarded on
+  // an error).
+  const bool gated = a.gate_mode != kGatePrecomputed;
+  const float a_log = gated ? a.A_log[it.h] : 0.f;
 #pragma unroll
   for (int t = 0; t < kStageTokens; ++t) {
     it.row[t] = 0;
     it.slot[t] = -1;
     it.beta[t] = 0.f;
     if (t < ns) {
-      it.row[t] = a.token_rows != nullptr ? load_index(a.token_rows, a.rows_int64, it.bos + t) : it.bos + t;
+      if (a.token_rows != nullptr) {
+        it.row[t] = load_index(a.token_rows, a.rows_int64, it.bos + t);
+      } else {
+        it.row[t] = it.bos + t;
+        it.beta[t] = load_scalar(a.beta, a.beta_fp32, it.batch * a.beta_sb + it.row[t] * a.beta_st + it.h);
+      }
       if (a.spec && t < a.slots) it.slot[t] = slot_at(a, it.n, t);
     }
   }
+  if (err == 0) err = decode_read_slot(a, it.n, it.len, &it.read);
   if (err == 0) {
 #pragma unroll
     for (int t = 0; t < kStageTokens; ++t) {
@@ -191,14 +206,14 @@ __device__ inline DecodeItem resolve_decode_item(const DecodeArgs& a, int64_t it
       }
     }
   }
-  if (err == 0 && it.read >= 0) {
+  if (err == 0 && it.read >= 0 && a.token_rows != nullptr) {
 #pragma unroll
     for (int t = 0; t < kStageTokens; ++t) {
       if (t < ns)
         it.beta[t] = load_scalar(a.beta, a.beta_fp32, it.batch * a.beta_sb + it.row[t] * a.beta_st + it.h);
     }
-    if (a.gate_mode != kGatePrecomputed) it.expA = expf(a.A_log[it.h]);
   }
+  it.expA = gated ? expf(a_log) : 0.f;
   it.nstaged = ns;
   it.err = err;
   return it;
@@ -245,6 +260,22 @@ __device__ inline void issue_decode_item(const DecodeArgs& a, const DecodeItem& 
   } else {
     mbar_arrive(full);
   }
+}
+
+// The raw inputs of staged token t (this lane's D / 32 columns) and its beta.
+template <int D, bool kF32>
+__device__ inline void stage_token_raw(const DecodeArgs& a, const DecodeStage<D, kF32>& st,
+                                       const DecodeItem& info, int t, int lane, TokenRaw<D>& raw) {
+  constexpr int PC = D / 32;
+  const int c = lane * PC;
+#pragma unroll
+  for (int e = 0; e < PC; ++e) {
+    raw.q[e] = __bfloat162float(st.q[t][c + e]);
+    raw.k[e] = __bfloat162float(st.k[t][c + e]);
+    raw.g[e] = a.g_fp32 ? reinterpret_cast<const float*>(st.g[t])[c + e]
+                        : __bfloat162float(reinterpret_cast<const bf16*>(st.g[t])[c + e]);
+  }
+  raw.beta = info.beta[t];
 }
 
 // Whether request n (valid, not padded) shares a pool row with another request (see
@@ -302,7 +333,6 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
   if (warp == kDecodeProducerWarp) {
     // ---------------------------------------------------------------- producer
     int64_t k = 0;  // items issued
-    bool checked = false;
     for (int64_t first = blockIdx.x; first < total_items; first += 32 * G) {
       const int64_t mine = first + lane * G;
       if (mine < total_items) sm.tab[lane] = resolve_decode_item<D>(a, mine);
@@ -310,14 +340,6 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
       const int64_t left = (total_items - first + G - 1) / G;
       const int cnt = static_cast<int>(left < 32 ? left : 32);
       for (int l = 0; l < cnt; ++l, ++k) {
-        if (k == kDecodeStages && !checked) {
-          // The pipeline is primed: check pool-row conflicts of the owned requests while the
-          // consumers work (the check is a few L2 round trips per request).
-          for (int64_t n = blockIdx.x; n < a.N; n += G)
-            if (decode_request_conflicts(a, n, lane) && lane == 0)
-              atomicCAS(&sm.err, 0, static_cast<int>(DeviceError::kStateSlotConflict));
-          checked = true;
-        }
         const int s = static_cast<int>(k % kDecodeStages);
         if (k >= kDecodeStages) mbar_wait(&sm.empty[s], static_cast<uint32_t>((k / kDecodeStages - 1) & 1));
         const DecodeItem& it = sm.tab[l];
@@ -326,17 +348,20 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
       }
       __syncwarp();  // the table is rewritten by the next 32 items
     }
-    if (!checked) {
-      for (int64_t n = blockIdx.x; n < a.N; n += G)
-        if (decode_request_conflicts(a, n, lane) && lane == 0)
-          atomicCAS(&sm.err, 0, static_cast<int>(DeviceError::kStateSlotConflict));
+  } else if (warp == kDecodeCheckerWarp) {
+    // ---------------------------------------------------------------- checker
+    // Pool-row conflicts of the requests this block owns (n = b mod G): a chain of L2 round trips per
+    // request, off the producer's path.
+    for (int64_t n = blockIdx.x; n < a.N; n += G) {
+      if (decode_request_conflicts(a, n, lane) && lane == 0)
+        atomicCAS(&sm.err, 0, static_cast<int>(DeviceError::kStateSlotConflict));
     }
   } else {
     // ---------------------------------------------------------------- consumers
     const int j = lane % TL::kLanesPerRow;
     const int64_t head_rows = static_cast<int64_t>(a.H) * D;
     StateT* pool = static_cast<StateT*>(a.pool);
-    TokenBuf<D>* wbuf = sm.buf[warp];
+    TokenBuf<D>& own = sm.own[warp];
     int64_t k = 0;
     for (int64_t item = blockIdx.x; item < total_items; item += G, ++k) {
       const int s = static_cast<int>(k % kDecodeStages);
@@ -378,63 +403,78 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
       float dtb[PC];
 #pragma unroll
       for (int i = 0; i < PC; ++i) dtb[i] = a.gate_mode != kGatePrecomputed ? st.dtb[lane * PC + i] : 0.f;
-      bool released = false;
-      for (int64_t c0 = 0; c0 < len; c0 += kWarpTokens) {
-        const int nt = static_cast<int>(len - c0 < kWarpTokens ? len - c0 : kWarpTokens);
-        float b[kWarpTokens], vcur[kR][kWarpTokens];
-        int64_t rows[kWarpTokens], slots[kWarpTokens];
-#pragma unroll
-        for (int i = 0; i < kWarpTokens; ++i) {
-          if (i < nt) {
-            const int64_t t = c0 + i;
-            TokenRaw<D> raw;
-            if (t < nstaged) {  // from the stage
-              const int c = lane * PC;
-#pragma unroll
-              for (int e = 0; e < PC; ++e) {
-                raw.q[e] = __bfloat162float(st.q[t][c + e]);
-                raw.k[e] = __bfloat162float(st.k[t][c + e]);
-                raw.g[e] = a.g_fp32 ? reinterpret_cast<const float*>(st.g[t])[c + e]
-                                    : __bfloat162float(reinterpret_cast<const bf16*>(st.g[t])[c + e]);
-              }
-              raw.beta = info.beta[t];
-#pragma unroll
-              for (int q = 0; q < kR; ++q) vcur[q][i] = __bfloat162float(st.v[t][local[q]]);
-              rows[i] = info.row[t];
-              slots[i] = info.slot[t];
-            } else {  // beyond the staged tokens (long requests): straight from global memory
-              rows[i] = mapped_row(a, bos + t);
-              load_token<D>(a, batch, rows[i], h, lane, raw);
-              const int64_t vb = batch * a.v_sb + rows[i] * a.v_st + out_col;
-#pragma unroll
-              for (int q = 0; q < kR; ++q) vcur[q][i] = __bfloat162float(a.v[vb + vrow[q]]);
-              slots[i] = a.spec ? slot_at(a, n, t) : -1;
-            }
-            b[i] = preprocess_token<D>(a, raw, expA, dtb, wbuf[i], lane);
-          }
+      // Staged tokens: one token is preprocessed by every warp for itself (no barrier); several are
+      // split over the warps (token t by warp t mod 4) into the block's shared buffers, between two
+      // named barriers of the consumer warps (before: every warp is done with the previous item's
+      // buffers; after: all written).
+      const bool split = nstaged > 1;
+      float b_own = 0.f;
+      if (split) {
+        asm volatile("bar.sync 1, %0;\n" ::"n"(kTokenWarps * 32) : "memory");
+        for (int t = warp; t < nstaged; t += kTokenWarps) {
+          TokenRaw<D> raw;
+          stage_token_raw<D, kF32>(a, st, info, t, lane, raw);
+          const float bt = preprocess_token<D>(a, raw, expA, dtb, sm.tok[t], lane);
+          if (lane == 0) sm.tok_beta[t] = bt;
         }
-        if (!released && c0 + kWarpTokens >= nstaged) {  // this thread's last read of the stage
-          mbar_arrive(&sm.empty[s]);
-          released = true;
-        }
-        __syncwarp();
-#pragma unroll
-        for (int i = 0; i < kWarpTokens; ++i) {
-          if (i < nt) {
-            bf16* orow = a.out + batch * a.out_sb + rows[i] * a.out_st + out_col;
-            const int64_t w = slots[i];
-#pragma unroll
-            for (int q = 0; q < kR; ++q) {
-              const float o = advance_row<D>(sreg[q], wbuf[i], j, b[i], vcur[q][i]);
-              if (j == 0) orow[vrow[q]] = __float2bfloat16_rn(o);
-              if (w >= 0)
-                store_state_row<D, kF32>(pool + (w * head_rows + out_col + vrow[q]) * D, j, sreg[q]);
-            }
-          }
-        }
-        __syncwarp();  // the warp's token buffers are rewritten by the next pair
+      } else {
+        TokenRaw<D> raw;
+        stage_token_raw<D, kF32>(a, st, info, 0, lane, raw);
+        b_own = preprocess_token<D>(a, raw, expA, dtb, own, lane);
       }
-      if (!released) mbar_arrive(&sm.empty[s]);
+      float vst[kR][kStageTokens];
+      int64_t row_st[kStageTokens], slot_st[kStageTokens];
+#pragma unroll
+      for (int t = 0; t < kStageTokens; ++t) {
+        row_st[t] = info.row[t];
+        slot_st[t] = info.slot[t];
+#pragma unroll
+        for (int q = 0; q < kR; ++q) vst[q][t] = t < nstaged ? __bfloat162float(st.v[t][local[q]]) : 0.f;
+      }
+      mbar_arrive(&sm.empty[s]);  // this thread's last read of the stage
+      if (split) {
+        asm volatile("bar.sync 1, %0;\n" ::"n"(kTokenWarps * 32) : "memory");
+      } else {
+        __syncwarp();
+      }
+#pragma unroll
+      for (int t = 0; t < kStageTokens; ++t) {
+        if (t < nstaged) {
+          const TokenBuf<D>& tb = split ? sm.tok[t] : own;
+          const float bt = split ? sm.tok_beta[t] : b_own;
+          bf16* orow = a.out + batch * a.out_sb + row_st[t] * a.out_st + out_col;
+          const int64_t w = slot_st[t];
+#pragma unroll
+          for (int q = 0; q < kR; ++q) {
+            const float o = advance_row<D>(sreg[q], tb, j, bt, vst[q][t]);
+            if (j == 0) orow[vrow[q]] = __float2bfloat16_rn(o);
+            if (w >= 0) store_state_row<D, kF32>(pool + (w * head_rows + out_col + vrow[q]) * D, j, sreg[q]);
+          }
+        }
+      }
+      // Tokens past the stage (requests longer than kStageTokens): one at a time, straight from
+      // global memory, each warp for itself.
+      for (int64_t t = nstaged; t < len; ++t) {
+        __syncwarp();  // the warp's buffer is rewritten
+        const int64_t row = mapped_row(a, bos + t);
+        TokenRaw<D> raw;
+        load_token<D>(a, batch, row, h, lane, raw);
+        float vt[kR];
+        const int64_t vb = batch * a.v_sb + row * a.v_st + out_col;
+#pragma unroll
+        for (int q = 0; q < kR; ++q) vt[q] = __bfloat162float(a.v[vb + vrow[q]]);
+        const int64_t w = a.spec ? slot_at(a, n, t) : -1;
+        const float bt = preprocess_token<D>(a, raw, expA, dtb, own, lane);
+        __syncwarp();
+        bf16* orow = a.out + batch * a.out_sb + row * a.out_st + out_col;
+#pragma unroll
+        for (int q = 0; q < kR; ++q) {
+          const float o = advance_row<D>(sreg[q], own, j, bt, vt[q]);
+          if (j == 0) orow[vrow[q]] = __float2bfloat16_rn(o);
+          if (w >= 0) store_state_row<D, kF32>(pool + (w * head_rows + out_col + vrow[q]) * D, j, sreg[q]);
+        }
+      }
+      __syncwarp();  // the warp's buffer is rewritten by the next item
       if (!a.spec) {
 #pragma unroll
         for (int q = 0; q < kR; ++q)
