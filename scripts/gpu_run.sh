@@ -11,6 +11,7 @@
 #   BENCHES="prefill decode" (default) selects the benchmarks; PYTEST_PATHS (default tests/python)
 #               narrows the GPU tests, e.g. PYTEST_PATHS=tests/python/test_gpu_decode.py BENCHES=decode
 #   NCU=1       also Nsight Compute sections of both kernels; SANITIZE=0 skips compute-sanitizer
+#   DECODE_NCU=1  Nsight Compute sections of the decode kernel (N=256 plain and spec 1+3, fp32 pool)
 #   DECODE_VARIANTS="FLASHKDA_DECODE_KERNEL=per_request FLASHKDA_DECODE_PDL=0" also runs the decode
 #               benchmark (without fla) once per VAR=VALUE setting: bench_decode_<var>_<value>.json
 # Usage from the device tool (the device copy of the tree has no usable git history, so pass the
@@ -48,6 +49,12 @@ if [ "${NCU:-0}" = 1 ]; then
     --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis python3 scripts/profile_case.py 0 2>&1 | tail -120
   ncu --clock-control none -k regex:state_recurrence -c 1 --section SpeedOfLight --section Occupancy \
     --section WarpStateStats python3 scripts/profile_case.py 2 2>&1 | tail -80
+fi
+if [ "${DECODE_NCU:-0}" = 1 ]; then  # the decode kernel at N=256 (plain, then spec 1+3), fp32 pool
+  for t in 1 4; do
+    ncu --clock-control none -k regex:decode -s 2 -c 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+      --section Occupancy --section WarpStateStats --section SchedulerStats python3 scripts/profile_decode.py 256 $t 2>&1 | tail -90
+  done
 fi
 BENCHES=" ${BENCHES:-prefill decode} "
 if [[ "$BENCHES" == *" prefill "* ]]; then
