@@ -267,13 +267,20 @@ template <int D, bool kF32>
 __device__ inline void stage_token_raw(const DecodeArgs& a, const DecodeStage<D, kF32>& st,
                                        const DecodeItem& info, int t, int lane, TokenRaw<D>& raw) {
   constexpr int PC = D / 32;
-  const int c = lane * PC;
-#pragma unroll
-  for (int e = 0; e < PC; ++e) {
-    raw.q[e] = __bfloat162float(st.q[t][c + e]);
-    raw.k[e] = __bfloat162float(st.k[t][c + e]);
-    raw.g[e] = a.g_fp32 ? reinterpret_cast<const float*>(st.g[t])[c + e]
-                        : __bfloat162float(reinterpret_cast<const bf16*>(st.g[t])[c + e]);
+  const int c = lane * PC;  // vector loads: the stage rows are 16-byte aligned
+  load_bf16_run<PC>(&st.q[t][c], true, raw.q);
+  load_bf16_run<PC>(&st.k[t][c], true, raw.k);
+  if (a.g_fp32) {
+    const float* g = reinterpret_cast<const float*>(st.g[t]) + c;
+    if constexpr (PC == 4) {
+      const float4 x = *reinterpret_cast<const float4*>(g);
+      raw.g[0] = x.x, raw.g[1] = x.y, raw.g[2] = x.z, raw.g[3] = x.w;
+    } else {
+      const float2 x = *reinterpret_cast<const float2*>(g);
+      raw.g[0] = x.x, raw.g[1] = x.y;
+    }
+  } else {
+    load_bf16_run<PC>(reinterpret_cast<const bf16*>(st.g[t]) + c, true, raw.g);
   }
   raw.beta = info.beta[t];
 }
@@ -426,8 +433,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
       int64_t row_st[kStageTokens], slot_st[kStageTokens];
 #pragma unroll
       for (int t = 0; t < kStageTokens; ++t) {
-        row_st[t] = info.row[t];
-        slot_st[t] = info.slot[t];
+        row_st[t] = t < nstaged ? info.row[t] : 0;
+        slot_st[t] = t < nstaged ? info.slot[t] : -1;
 #pragma unroll
         for (int q = 0; q < kR; ++q) vst[q][t] = t < nstaged ? __bfloat162float(st.v[t][local[q]]) : 0.f;
       }
@@ -444,10 +451,13 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
           const float bt = split ? sm.tok_beta[t] : b_own;
           bf16* orow = a.out + batch * a.out_sb + row_st[t] * a.out_st + out_col;
           const int64_t w = slot_st[t];
+          float vt[kR], o[kR];
+#pragma unroll
+          for (int q = 0; q < kR; ++q) vt[q] = vst[q][t];
+          advance_rows<D, kR>(sreg, tb, j, bt, vt, o);
 #pragma unroll
           for (int q = 0; q < kR; ++q) {
-            const float o = advance_row<D>(sreg[q], tb, j, bt, vst[q][t]);
-            if (j == 0) orow[vrow[q]] = __float2bfloat16_rn(o);
+            if (j == 0) orow[vrow[q]] = __float2bfloat16_rn(o[q]);
             if (w >= 0) store_state_row<D, kF32>(pool + (w * head_rows + out_col + vrow[q]) * D, j, sreg[q]);
           }
         }
@@ -467,10 +477,11 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
         const float bt = preprocess_token<D>(a, raw, expA, dtb, own, lane);
         __syncwarp();
         bf16* orow = a.out + batch * a.out_sb + row * a.out_st + out_col;
+        float o[kR];
+        advance_rows<D, kR>(sreg, own, j, bt, vt, o);
 #pragma unroll
         for (int q = 0; q < kR; ++q) {
-          const float o = advance_row<D>(sreg[q], own, j, bt, vt[q]);
-          if (j == 0) orow[vrow[q]] = __float2bfloat16_rn(o);
+          if (j == 0) orow[vrow[q]] = __float2bfloat16_rn(o[q]);
           if (w >= 0) store_state_row<D, kF32>(pool + (w * head_rows + out_col + vrow[q]) * D, j, sreg[q]);
         }
       }

@@ -180,6 +180,65 @@ __device__ inline float advance_row(float (&s)[16], const TokenBuf<D>& buf, int 
   return out;
 }
 
+// One token on all kR rows of the thread at once: the token's q, k and decay columns are read from
+// shared memory once for every row, and the rows' dot products run interleaved with two partial sums
+// each (independent chains instead of one 16-long dependent chain per row).  o[q] = output of row q.
+template <int D, int kR>
+__device__ inline void advance_rows(float (&s)[kR][16], const TokenBuf<D>& buf, int j, float b,
+                                    const float (&v)[kR], float (&o)[kR]) {
+  constexpr int LPR = TokenLayout<D>::kLanesPerRow;
+  float4 d4[4], k4[4], q4[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int col = token_col<D>(j, i);
+    d4[i] = *reinterpret_cast<const float4*>(&buf.decay[col]);
+    k4[i] = *reinterpret_cast<const float4*>(&buf.k[col]);
+    q4[i] = *reinterpret_cast<const float4*>(&buf.q[col]);
+  }
+  float pred[kR], out[kR];
+#pragma unroll
+  for (int q = 0; q < kR; ++q) {
+    float p0 = 0.f, p1 = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      s[q][4 * i + 0] *= d4[i].x;
+      s[q][4 * i + 1] *= d4[i].y;
+      s[q][4 * i + 2] *= d4[i].z;
+      s[q][4 * i + 3] *= d4[i].w;
+      p0 += s[q][4 * i] * k4[i].x + s[q][4 * i + 2] * k4[i].z;
+      p1 += s[q][4 * i + 1] * k4[i].y + s[q][4 * i + 3] * k4[i].w;
+    }
+    pred[q] = p0 + p1;
+  }
+#pragma unroll
+  for (int off = LPR / 2; off > 0; off >>= 1) {
+#pragma unroll
+    for (int q = 0; q < kR; ++q) pred[q] += __shfl_xor_sync(0xffffffffu, pred[q], off);
+  }
+#pragma unroll
+  for (int q = 0; q < kR; ++q) {
+    const float u = b * (v[q] - pred[q]);
+    float o0 = 0.f, o1 = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      s[q][4 * i + 0] += u * k4[i].x;
+      s[q][4 * i + 1] += u * k4[i].y;
+      s[q][4 * i + 2] += u * k4[i].z;
+      s[q][4 * i + 3] += u * k4[i].w;
+      o0 += s[q][4 * i] * q4[i].x + s[q][4 * i + 2] * q4[i].z;
+      o1 += s[q][4 * i + 1] * q4[i].y + s[q][4 * i + 3] * q4[i].w;
+    }
+    out[q] = o0 + o1;
+  }
+#pragma unroll
+  for (int off = LPR / 2; off > 0; off >>= 1) {
+#pragma unroll
+    for (int q = 0; q < kR; ++q) out[q] += __shfl_xor_sync(0xffffffffu, out[q], off);
+  }
+#pragma unroll
+  for (int q = 0; q < kR; ++q) o[q] = out[q];
+}
+
 // State row I/O: 16 columns of one row, fp32 (four float4) or bf16 (four 8-byte pieces).
 template <int D, bool kF32>
 __device__ inline void load_state_row(const void* row, int j, float (&s)[16]) {
