@@ -13,20 +13,23 @@
 // [V, K] state, one contiguous 16 KB (fp32) / 8 KB (bf16) run of the pool row, moved by one TMA bulk
 // copy.  Block b walks items b, b + G, b + 2G, ... (G = gridDim.x <= 2 per SM, kDecodeErrorSlots).
 //
-// Warp roles (192 threads, 2 blocks per SM):
+// Warp roles (224 threads, 2 blocks per SM):
 //   warp 4, producer: resolves 32 items at a time, one per lane (cu_seqlens, num_accepted, the read
 //     slot, every index entry and token row checked, beta, exp(A_log)) into a shared table, so the
 //     chain of dependent index loads is paid once per 32 items; then per item: waits for a free
-//     stage, TMA bulk copy of the state slice, cp.async of the raw q, k, g, v of up to kStageTokens
-//     tokens and of dt_bias, all completing on the stage's `full` mbarrier.
+//     stage (`empty`), TMA bulk copy of the state slice, cp.async of the raw q, k, g, v of up to
+//     kStageTokens tokens and of dt_bias, all completing on the stage's `full` mbarrier.
+//   warp 6, prep: per item, after `full`, preprocesses the staged tokens (l2norm, gate, beta) once
+//     into the stage's token buffers and arrives on `ready`.
 //   warp 5, checker: the pool-row conflict check of the requests the block owns (n = b mod G), a
-//     chain of L2 round trips kept off the producer's path.
-//   warps 0-3, consumers: wait `full`, copy the state slice into registers, preprocess the staged
-//     tokens (one token: each warp for itself; several: split over the warps behind a named
-//     barrier), release the stage (`empty`), run the tokens, write out and the state (directly from
-//     registers: stores need no staging).
-// Shared memory (D = 128, fp32 pool): 4 stages x (16 KB state + 4.4 KB raw tokens + dt_bias + item)
-// + 32-item table + shared and per-warp token buffers ~ 103 KB; 152-156 registers.
+//     chain of L2 round trips kept off the other warps' paths.
+//   warps 0-3, consumers: wait `ready`, copy the state slice into registers, run the staged tokens
+//     from the stage's buffers, release the stage (`empty`), write out and the state (directly from
+//     registers: stores need no staging).  Tokens past the stage (long requests) are loaded and
+//     preprocessed by each consumer warp itself.
+// Shared memory (D = 128, fp32 pool): 3 stages x (16 KB state + 4.4 KB raw tokens + 6 KB
+// preprocessed tokens + dt_bias + item) + 32-item table + per-warp token buffers = 92 KB (bf16 pool:
+// 68 KB); 124-128 registers.
 //
 // Errors: a bad request (cu_seqlens pair, num_accepted, an index >= P, a token row) writes nothing
 // and its code goes to the block's error word; conflicts between requests are reported the same
@@ -43,11 +46,12 @@ namespace flashkda {
 namespace sm90 {
 
 constexpr int kStageTokens = 4;          // tokens per item whose raw inputs the producer stages
-constexpr int kDecodeStages = 4;         // items in flight per block
+constexpr int kDecodeStages = 3;         // items in flight per block
 constexpr int kDecodeErrorSlots = 1024;  // error words; also the grid bound
 constexpr int kDecodeProducerWarp = kTokenWarps;
 constexpr int kDecodeCheckerWarp = kTokenWarps + 1;
-constexpr int kDecodeThreads = (kTokenWarps + 2) * 32;
+constexpr int kDecodePrepWarp = kTokenWarps + 2;
+constexpr int kDecodeThreads = (kTokenWarps + 3) * 32;
 constexpr int kDecodeBlocksPerSm = 2;
 
 // What the producer resolves for one work item.
@@ -73,6 +77,8 @@ struct DecodeStage {
   alignas(16) unsigned char g[kStageTokens][D * 4];  // fp32 or bf16 as given
   alignas(16) bf16 v[kStageTokens][kRows];
   alignas(16) float dtb[D];
+  TokenBuf<D> tok[kStageTokens];  // the staged tokens, preprocessed by the prep warp
+  float tok_beta[kStageTokens];
   DecodeItem info;
 };
 
@@ -80,11 +86,10 @@ template <int D, bool kF32>
 struct DecodeSmem {
   DecodeStage<D, kF32> stage[kDecodeStages];
   DecodeItem tab[32];
-  TokenBuf<D> tok[kStageTokens];  // staged tokens split over the consumer warps
-  float tok_beta[kStageTokens];
-  TokenBuf<D> own[kTokenWarps];  // per warp: single-token items, tokens past the stage
-  uint64_t full[kDecodeStages];
-  uint64_t empty[kDecodeStages];
+  TokenBuf<D> own[kTokenWarps];   // per consumer warp: tokens past the stage
+  uint64_t full[kDecodeStages];   // state + raw tokens landed (producer lanes + TMA bytes)
+  uint64_t ready[kDecodeStages];  // staged tokens preprocessed (prep warp)
+  uint64_t empty[kDecodeStages];  // consumers done with the stage
   int err;
 };
 
@@ -325,6 +330,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
   if (tid == 0) {
     for (int s = 0; s < kDecodeStages; ++s) {
       mbar_init(&sm.full[s], 32);                 // the producer's lanes
+      mbar_init(&sm.ready[s], 32);                // the prep warp's lanes
       mbar_init(&sm.empty[s], kTokenWarps * 32);  // every consumer thread
     }
     sm.err = 0;
@@ -363,6 +369,34 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
       if (decode_request_conflicts(a, n, lane) && lane == 0)
         atomicCAS(&sm.err, 0, static_cast<int>(DeviceError::kStateSlotConflict));
     }
+  } else if (warp == kDecodePrepWarp) {
+    // ---------------------------------------------------------------- prep
+    // The staged tokens of every item: l2norm, gate, beta into the stage's token buffers, once per
+    // item instead of once per consumer warp, and off the consumers' per-item chain.
+    int64_t k = 0;
+    for (int64_t item = blockIdx.x; item < total_items; item += G, ++k) {
+      const int s = static_cast<int>(k % kDecodeStages);
+      mbar_wait(&sm.full[s], static_cast<uint32_t>((k / kDecodeStages) & 1));
+      Stage& st = sm.stage[s];
+      const DecodeItem& info = st.info;
+      if (info.err == 0 && info.read >= 0 && info.len > 0) {
+        float dtb[PC];
+#pragma unroll
+        for (int i = 0; i < PC; ++i) dtb[i] = a.gate_mode != kGatePrecomputed ? st.dtb[lane * PC + i] : 0.f;
+        const int nstaged = info.nstaged;
+        const float expA = info.expA;
+#pragma unroll
+        for (int t = 0; t < kStageTokens; ++t) {
+          if (t < nstaged) {
+            TokenRaw<D> raw;
+            stage_token_raw<D, kF32>(a, st, info, t, lane, raw);
+            const float bt = preprocess_token<D>(a, raw, expA, dtb, st.tok[t], lane);
+            if (lane == 0) st.tok_beta[t] = bt;
+          }
+        }
+      }
+      mbar_arrive(&sm.ready[s]);
+    }
   } else {
     // ---------------------------------------------------------------- consumers
     const int j = lane % TL::kLanesPerRow;
@@ -372,14 +406,14 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
     int64_t k = 0;
     for (int64_t item = blockIdx.x; item < total_items; item += G, ++k) {
       const int s = static_cast<int>(k % kDecodeStages);
-      mbar_wait(&sm.full[s], static_cast<uint32_t>((k / kDecodeStages) & 1));
+      const uint32_t parity = static_cast<uint32_t>((k / kDecodeStages) & 1);
+      mbar_wait(&sm.full[s], parity);  // the TMA bytes (also implied by `ready`; waited on for clarity)
+      mbar_wait(&sm.ready[s], parity);
       Stage& st = sm.stage[s];
-      // Scalars of the item in registers (the stage is released before the math); the per-token
-      // arrays are read from the stage while it is held.
+      // Scalars of the item in registers (the stage is released before the stores).
       const DecodeItem& info = st.info;
       const int64_t batch = info.batch, bos = info.bos, len = info.len, read = info.read, n = info.n;
       const int h = info.h, slice = info.slice, nstaged = info.nstaged, err = info.err;
-      const float expA = info.expA;
       if (err != 0 || len == 0) {
         mbar_arrive(&sm.empty[s]);
         continue;
@@ -407,59 +441,20 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
 #pragma unroll
       for (int q = 0; q < kR; ++q)
         load_state_row<D, kF32>(st.state + static_cast<size_t>(local[q]) * D * (kF32 ? 4 : 2), j, sreg[q]);
-      float dtb[PC];
+      // The staged tokens straight from the stage's preprocessed buffers; out and (spec) the state
+      // stores of token t are issued after all of the stage's reads of that token.
+      for (int t = 0; t < nstaged; ++t) {
+        float vt[kR], o[kR];
 #pragma unroll
-      for (int i = 0; i < PC; ++i) dtb[i] = a.gate_mode != kGatePrecomputed ? st.dtb[lane * PC + i] : 0.f;
-      // Staged tokens: one token is preprocessed by every warp for itself (no barrier); several are
-      // split over the warps (token t by warp t mod 4) into the block's shared buffers, between two
-      // named barriers of the consumer warps (before: every warp is done with the previous item's
-      // buffers; after: all written).
-      const bool split = nstaged > 1;
-      float b_own = 0.f;
-      if (split) {
-        asm volatile("bar.sync 1, %0;\n" ::"n"(kTokenWarps * 32) : "memory");
-        for (int t = warp; t < nstaged; t += kTokenWarps) {
-          TokenRaw<D> raw;
-          stage_token_raw<D, kF32>(a, st, info, t, lane, raw);
-          const float bt = preprocess_token<D>(a, raw, expA, dtb, sm.tok[t], lane);
-          if (lane == 0) sm.tok_beta[t] = bt;
-        }
-      } else {
-        TokenRaw<D> raw;
-        stage_token_raw<D, kF32>(a, st, info, 0, lane, raw);
-        b_own = preprocess_token<D>(a, raw, expA, dtb, own, lane);
-      }
-      float vst[kR][kStageTokens];
-      int64_t row_st[kStageTokens], slot_st[kStageTokens];
+        for (int q = 0; q < kR; ++q) vt[q] = __bfloat162float(st.v[t][local[q]]);
+        const int64_t row = info.row[t], w = info.slot[t];
+        advance_rows<D, kR>(sreg, st.tok[t], j, st.tok_beta[t], vt, o);
+        if (t == nstaged - 1) mbar_arrive(&sm.empty[s]);  // this thread's last read of the stage
+        bf16* orow = a.out + batch * a.out_sb + row * a.out_st + out_col;
 #pragma unroll
-      for (int t = 0; t < kStageTokens; ++t) {
-        row_st[t] = t < nstaged ? info.row[t] : 0;
-        slot_st[t] = t < nstaged ? info.slot[t] : -1;
-#pragma unroll
-        for (int q = 0; q < kR; ++q) vst[q][t] = t < nstaged ? __bfloat162float(st.v[t][local[q]]) : 0.f;
-      }
-      mbar_arrive(&sm.empty[s]);  // this thread's last read of the stage
-      if (split) {
-        asm volatile("bar.sync 1, %0;\n" ::"n"(kTokenWarps * 32) : "memory");
-      } else {
-        __syncwarp();
-      }
-#pragma unroll
-      for (int t = 0; t < kStageTokens; ++t) {
-        if (t < nstaged) {
-          const TokenBuf<D>& tb = split ? sm.tok[t] : own;
-          const float bt = split ? sm.tok_beta[t] : b_own;
-          bf16* orow = a.out + batch * a.out_sb + row_st[t] * a.out_st + out_col;
-          const int64_t w = slot_st[t];
-          float vt[kR], o[kR];
-#pragma unroll
-          for (int q = 0; q < kR; ++q) vt[q] = vst[q][t];
-          advance_rows<D, kR>(sreg, tb, j, bt, vt, o);
-#pragma unroll
-          for (int q = 0; q < kR; ++q) {
-            if (j == 0) orow[vrow[q]] = __float2bfloat16_rn(o[q]);
-            if (w >= 0) store_state_row<D, kF32>(pool + (w * head_rows + out_col + vrow[q]) * D, j, sreg[q]);
-          }
+        for (int q = 0; q < kR; ++q) {
+          if (j == 0) orow[vrow[q]] = __float2bfloat16_rn(o[q]);
+          if (w >= 0) store_state_row<D, kF32>(pool + (w * head_rows + out_col + vrow[q]) * D, j, sreg[q]);
         }
       }
       // Tokens past the stage (requests longer than kStageTokens): one at a time, straight from
@@ -474,7 +469,9 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
 #pragma unroll
         for (int q = 0; q < kR; ++q) vt[q] = __bfloat162float(a.v[vb + vrow[q]]);
         const int64_t w = a.spec ? slot_at(a, n, t) : -1;
-        const float bt = preprocess_token<D>(a, raw, expA, dtb, own, lane);
+        float expA_h, dtb[PC];
+        load_gate_params<D>(a, h, lane, &expA_h, dtb);
+        const float bt = preprocess_token<D>(a, raw, expA_h, dtb, own, lane);
         __syncwarp();
         bf16* orow = a.out + batch * a.out_sb + row * a.out_st + out_col;
         float o[kR];
@@ -485,7 +482,6 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
           if (w >= 0) store_state_row<D, kF32>(pool + (w * head_rows + out_col + vrow[q]) * D, j, sreg[q]);
         }
       }
-      __syncwarp();  // the warp's buffer is rewritten by the next item
       if (!a.spec) {
 #pragma unroll
         for (int q = 0; q < kR; ++q)
