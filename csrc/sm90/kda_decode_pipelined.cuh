@@ -27,9 +27,10 @@
 //     from the stage's buffers, release the stage (`empty`), write out and the state (directly from
 //     registers: stores need no staging).  Tokens past the stage (long requests) are loaded and
 //     preprocessed by each consumer warp itself.
-// Shared memory (D = 128, fp32 pool): 3 stages x (16 KB state + 4.4 KB raw tokens + 6 KB
-// preprocessed tokens + dt_bias + item) + 32-item table + per-warp token buffers = 92 KB (bf16 pool:
-// 68 KB); 124-128 registers.
+// Shared memory (D = 128, fp32 pool): plain decode (1 staged token): 5 stages x (16 KB state + 1.1 KB
+// raw token + 1.5 KB preprocessed + dt_bias + item) + 32-item table + per-warp token buffers =
+// 107 KB; spec decode (4 staged tokens): 3 stages x (16 + 4.4 + 6 KB + ...) = 92 KB; 124-128
+// registers.
 //
 // Errors: a bad request (cu_seqlens pair, num_accepted, an index >= P, a token row) writes nothing
 // and its code goes to the block's error word; conflicts between requests are reported the same
@@ -45,8 +46,13 @@
 namespace flashkda {
 namespace sm90 {
 
-constexpr int kStageTokens = 4;          // tokens per item whose raw inputs the producer stages
-constexpr int kDecodeStages = 3;         // items in flight per block
+// Tokens per item whose raw inputs the producer stages (kTok, a template axis: 1 for plain decode,
+// kStageTokens for spec decode) and the stages per block that fit two blocks per SM with it.
+constexpr int kStageTokens = 4;
+template <int kTok>
+struct DecodeStages {
+  static constexpr int value = kTok == 1 ? 5 : 3;
+};
 constexpr int kDecodeErrorSlots = 1024;  // error words; also the grid bound
 constexpr int kDecodeProducerWarp = kTokenWarps;
 constexpr int kDecodeCheckerWarp = kTokenWarps + 1;
@@ -67,29 +73,30 @@ struct DecodeItem {
   int nstaged;  // tokens whose raw inputs are in the stage
 };
 
-template <int D, bool kF32>
+template <int D, bool kF32, int kTok>
 struct DecodeStage {
   static constexpr int kRows = TokenLayout<D>::kRowsPerBlock;
   static constexpr int kStateBytes = kRows * D * (kF32 ? 4 : 2);
   alignas(128) unsigned char state[kStateBytes];
-  alignas(16) bf16 q[kStageTokens][D];
-  alignas(16) bf16 k[kStageTokens][D];
-  alignas(16) unsigned char g[kStageTokens][D * 4];  // fp32 or bf16 as given
-  alignas(16) bf16 v[kStageTokens][kRows];
+  alignas(16) bf16 q[kTok][D];
+  alignas(16) bf16 k[kTok][D];
+  alignas(16) unsigned char g[kTok][D * 4];  // fp32 or bf16 as given
+  alignas(16) bf16 v[kTok][kRows];
   alignas(16) float dtb[D];
-  TokenBuf<D> tok[kStageTokens];  // the staged tokens, preprocessed by the prep warp
-  float tok_beta[kStageTokens];
+  TokenBuf<D> tok[kTok];  // the staged tokens, preprocessed by the prep warp
+  float tok_beta[kTok];
   DecodeItem info;
 };
 
-template <int D, bool kF32>
+template <int D, bool kF32, int kTok>
 struct DecodeSmem {
-  DecodeStage<D, kF32> stage[kDecodeStages];
+  static constexpr int kStages = DecodeStages<kTok>::value;
+  DecodeStage<D, kF32, kTok> stage[kStages];
   DecodeItem tab[32];
-  TokenBuf<D> own[kTokenWarps];   // per consumer warp: tokens past the stage
-  uint64_t full[kDecodeStages];   // state + raw tokens landed (producer lanes + TMA bytes)
-  uint64_t ready[kDecodeStages];  // staged tokens preprocessed (prep warp)
-  uint64_t empty[kDecodeStages];  // consumers done with the stage
+  TokenBuf<D> own[kTokenWarps];  // per consumer warp: tokens past the stage
+  uint64_t full[kStages];        // state + raw tokens landed (producer lanes + TMA bytes)
+  uint64_t ready[kStages];       // staged tokens preprocessed (prep warp)
+  uint64_t empty[kStages];       // consumers done with the stage
   int err;
 };
 
@@ -155,7 +162,7 @@ __device__ inline void copy_row_async(void* dst, const void* src, int bytes, int
 // 32 lanes' chains overlap.  Mirrors the checks of the per-request kernels (decode_span,
 // decode_read_slot, decode_entries_error) so the semantics are identical.
 template <int D>
-__device__ inline DecodeItem resolve_decode_item(const DecodeArgs& a, int64_t item) {
+__device__ inline DecodeItem resolve_decode_item(const DecodeArgs& a, int64_t item, int stage_tokens) {
   constexpr int kSlices = D / TokenLayout<D>::kRowsPerBlock;
   DecodeItem it;
   const int64_t per_request = static_cast<int64_t>(a.H) * kSlices;
@@ -168,7 +175,7 @@ __device__ inline DecodeItem resolve_decode_item(const DecodeArgs& a, int64_t it
   it.expA = 0.f;
   int err =
       decode_span(a, it.n, &it.batch, &it.bos, &it.len) ? 0 : static_cast<int>(DeviceError::kBadCuSeqlens);
-  const int ns = err == 0 ? static_cast<int>(it.len < kStageTokens ? it.len : kStageTokens) : 0;
+  const int ns = err == 0 ? static_cast<int>(it.len < stage_tokens ? it.len : stage_tokens) : 0;
   // Everything that depends only on the span is issued before the read slot resolves (its index
   // load is the round trip that gates the state copy): A_log, the rows and write slots of the staged
   // tokens, and beta at rows bos + t when there is no token_rows map (always in bounds; discarded on
@@ -225,10 +232,10 @@ __device__ inline DecodeItem resolve_decode_item(const DecodeArgs& a, int64_t it
 }
 
 // Producer: per item, the stage's state slice (TMA bulk) and the staged tokens' raw inputs (cp.async).
-template <int D, bool kF32>
-__device__ inline void issue_decode_item(const DecodeArgs& a, const DecodeItem& it, DecodeStage<D, kF32>& st,
-                                         uint64_t* full, int lane) {
-  using Stage = DecodeStage<D, kF32>;
+template <int D, bool kF32, int kTok>
+__device__ inline void issue_decode_item(const DecodeArgs& a, const DecodeItem& it,
+                                         DecodeStage<D, kF32, kTok>& st, uint64_t* full, int lane) {
+  using Stage = DecodeStage<D, kF32, kTok>;
   constexpr int R = Stage::kRows;
   const bool live = it.err == 0 && it.read >= 0 && it.len > 0;
   if (lane == 0) st.info = it;
@@ -268,8 +275,8 @@ __device__ inline void issue_decode_item(const DecodeArgs& a, const DecodeItem& 
 }
 
 // The raw inputs of staged token t (this lane's D / 32 columns) and its beta.
-template <int D, bool kF32>
-__device__ inline void stage_token_raw(const DecodeArgs& a, const DecodeStage<D, kF32>& st,
+template <int D, bool kF32, int kTok>
+__device__ inline void stage_token_raw(const DecodeArgs& a, const DecodeStage<D, kF32, kTok>& st,
                                        const DecodeItem& info, int t, int lane, TokenRaw<D>& raw) {
   constexpr int PC = D / 32;
   const int c = lane * PC;  // vector loads: the stage rows are 16-byte aligned
@@ -312,18 +319,20 @@ __device__ inline bool decode_request_conflicts(const DecodeArgs& a, int64_t n, 
   return __any_sync(0xffffffffu, conflict);
 }
 
-template <int D, bool kF32>
+template <int D, bool kF32, int kTok>
 __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
     decode_pipelined_kernel(const DecodeArgs a, const int64_t total_items) {
   using TL = TokenLayout<D>;
-  using Stage = DecodeStage<D, kF32>;
+  using Stage = DecodeStage<D, kF32, kTok>;
   using StateT = typename std::conditional<kF32, float, bf16>::type;
   constexpr int PC = TL::kColsPerLane;
   constexpr int kR = TL::kRowsPerThread;
   constexpr int R = Stage::kRows;
   static_assert(Stage::kStateBytes % 16 == 0, "TMA bulk copies move multiples of 16 bytes");
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  DecodeSmem<D, kF32>& sm = *reinterpret_cast<DecodeSmem<D, kF32>*>(smem_raw);
+  using Smem = DecodeSmem<D, kF32, kTok>;
+  constexpr int kDecodeStages = Smem::kStages;
+  Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t G = gridDim.x;
@@ -348,7 +357,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
     int64_t k = 0;  // items issued
     for (int64_t first = blockIdx.x; first < total_items; first += 32 * G) {
       const int64_t mine = first + lane * G;
-      if (mine < total_items) sm.tab[lane] = resolve_decode_item<D>(a, mine);
+      if (mine < total_items) sm.tab[lane] = resolve_decode_item<D>(a, mine, kTok);
       __syncwarp();
       const int64_t left = (total_items - first + G - 1) / G;
       const int cnt = static_cast<int>(left < 32 ? left : 32);
@@ -357,7 +366,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
         if (k >= kDecodeStages) mbar_wait(&sm.empty[s], static_cast<uint32_t>((k / kDecodeStages - 1) & 1));
         const DecodeItem& it = sm.tab[l];
         if (lane == 0 && it.err != 0) atomicCAS(&sm.err, 0, it.err);
-        issue_decode_item<D, kF32>(a, it, sm.stage[s], &sm.full[s], lane);
+        issue_decode_item<D, kF32, kTok>(a, it, sm.stage[s], &sm.full[s], lane);
       }
       __syncwarp();  // the table is rewritten by the next 32 items
     }
@@ -386,10 +395,10 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
         const int nstaged = info.nstaged;
         const float expA = info.expA;
 #pragma unroll
-        for (int t = 0; t < kStageTokens; ++t) {
+        for (int t = 0; t < kTok; ++t) {
           if (t < nstaged) {
             TokenRaw<D> raw;
-            stage_token_raw<D, kF32>(a, st, info, t, lane, raw);
+            stage_token_raw<D, kF32, kTok>(a, st, info, t, lane, raw);
             const float bt = preprocess_token<D>(a, raw, expA, dtb, st.tok[t], lane);
             if (lane == 0) st.tok_beta[t] = bt;
           }
@@ -498,16 +507,16 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
   }
 }
 
-template <int D, bool kF32>
-Status launch_decode_pipelined(const DecodeArgs& a, int num_sms, bool pdl, cudaStream_t stream) {
+template <int D, bool kF32, int kTok>
+Status launch_decode_pipelined_tok(const DecodeArgs& a, int num_sms, bool pdl, cudaStream_t stream) {
   constexpr int kSlices = D / TokenLayout<D>::kRowsPerBlock;
   const int64_t total = static_cast<int64_t>(a.N) * a.H * kSlices;
   int64_t grid = static_cast<int64_t>(num_sms) * kDecodeBlocksPerSm;
   if (grid > kDecodeErrorSlots) grid = kDecodeErrorSlots;
   if (grid > total) grid = total;
   if (grid < 1) grid = 1;
-  const size_t smem = sizeof(DecodeSmem<D, kF32>);
-  const cudaError_t e = set_smem_limit_once<decode_pipelined_kernel<D, kF32>>(static_cast<int>(smem));
+  const size_t smem = sizeof(DecodeSmem<D, kF32, kTok>);
+  const cudaError_t e = set_smem_limit_once<decode_pipelined_kernel<D, kF32, kTok>>(static_cast<int>(smem));
   if (e != cudaSuccess) return cuda_status(e, "decode_pipelined_kernel attribute");
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(grid));
@@ -519,8 +528,18 @@ Status launch_decode_pipelined(const DecodeArgs& a, int num_sms, bool pdl, cudaS
   attr[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  return cuda_status(cudaLaunchKernelEx(&cfg, decode_pipelined_kernel<D, kF32>, a, total),
+  return cuda_status(cudaLaunchKernelEx(&cfg, decode_pipelined_kernel<D, kF32, kTok>, a, total),
                      "decode_pipelined_kernel launch");
+}
+
+// Plain decode stages one token per item (5 stages per block); spec decode stages kStageTokens (3
+// stages).  a.plain_full_stages (dev switch FLASHKDA_DECODE_PLAIN_TOK4=1) gives plain decode the
+// spec layout, for A/B runs.
+template <int D, bool kF32>
+Status launch_decode_pipelined(const DecodeArgs& a, int num_sms, bool pdl, cudaStream_t stream) {
+  if (!a.spec && !a.plain_full_stages)
+    return launch_decode_pipelined_tok<D, kF32, 1>(a, num_sms, pdl, stream);
+  return launch_decode_pipelined_tok<D, kF32, kStageTokens>(a, num_sms, pdl, stream);
 }
 
 }  // namespace sm90

@@ -54,11 +54,12 @@ struct DecodeArgs {
   // Byte alignment (16, 8, 4 or 2) of every head row of q, k, g, of every row slice of v and of
   // dt_bias's head rows: the piece size of the pipelined kernel's cp.async copies.
   int align_q, align_k, align_g, align_v, align_dtb;
-  const float* A_log;    // [H] (null for the precomputed gate)
-  const float* dt_bias;  // [H * K]
-  void* pool;            // [P, H, V, K] fp32 / bf16
-  int64_t pool_rows;     // P
-  const void* idx;       // [N] or [N, S]
+  int plain_full_stages;  // host-side dev switch (see launch_decode_pipelined)
+  const float* A_log;     // [H] (null for the precomputed gate)
+  const float* dt_bias;   // [H * K]
+  void* pool;             // [P, H, V, K] fp32 / bf16
+  int64_t pool_rows;      // P
+  const void* idx;        // [N] or [N, S]
   int idx_int64;
   int64_t slots;  // S (1 for 1-D)
   int spec;       // 2-D indices
