@@ -13,8 +13,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site
 fi
 t0=$(date +%s)
-python3 -m pip install --no-build-isolation --no-deps . > "$P/build.log" 2>&1 || { tail -60 "$P/build.log"; exit 1; }
-echo "build: $(( $(date +%s) - t0 )) s"
+if [ "${SKIP_BUILD:-0}" != 1 ]; then  # SKIP_BUILD=1 after scripts/gpu_run.sh in the same call
+  python3 -m pip install --no-build-isolation --no-deps . > "$P/build.log" 2>&1 || { tail -60 "$P/build.log"; exit 1; }
+  echo "build: $(( $(date +%s) - t0 )) s"
+fi
 IFS=';' read -ra cases <<< "${CASES:-256 1 fp32 ours;1 1 fp32 ours;1 1 fp32 fla;256 4 fp32 ours}"
 for c in "${cases[@]}"; do
   tag=$(echo $c | tr ' ' '_')

@@ -58,16 +58,6 @@ bool decode_pipelined() {
   return pipelined;
 }
 
-// Dev switch: FLASHKDA_DECODE_PLAIN_TOK4=1 runs plain decode with the spec decode's stage layout
-// (4 staged tokens, 3 stages) instead of 1 token and 5 stages.
-bool decode_plain_full_stages() {
-  static const bool full = [] {
-    const char* e = std::getenv("FLASHKDA_DECODE_PLAIN_TOK4");
-    return e != nullptr && std::strcmp(e, "1") == 0;
-  }();
-  return full;
-}
-
 // Dev switch: FLASHKDA_DECODE_PDL=0 launches the pipelined decode kernel without programmatic
 // dependent launch.
 bool decode_pdl() {
@@ -247,7 +237,6 @@ Status run_decode_cuda(const DecodeParams& p, const DecodeShape& shape, void* wo
     return Status::invalid(
         "flashkda: argument 'state_pool': expected a 16-byte aligned data pointer, got an unaligned one");
   }
-  a.plain_full_stages = decode_plain_full_stages();
   const bool f32 = p.state_pool.dtype == DType::kFloat32;
   // The pipelined kernel rewrites every error word itself; the per-request kernels (and an empty
   // call, which launches nothing) need the header cleared to report this call alone.

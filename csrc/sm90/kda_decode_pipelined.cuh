@@ -27,10 +27,8 @@
 //     from the stage's buffers, release the stage (`empty`), write out and the state (directly from
 //     registers: stores need no staging).  Tokens past the stage (long requests) are loaded and
 //     preprocessed by each consumer warp itself.
-// Shared memory (D = 128, fp32 pool): plain decode (1 staged token): 5 stages x (16 KB state + 1.1 KB
-// raw token + 1.5 KB preprocessed + dt_bias + item) + 32-item table + per-warp token buffers =
-// 107 KB; spec decode (4 staged tokens): 3 stages x (16 + 4.4 + 6 KB + ...) = 92 KB; 124-128
-// registers.
+// Shared memory (D = 128, fp32 pool): 3 stages x (16 KB state + 4 staged tokens: 4.4 KB raw + 6 KB
+// preprocessed + dt_bias + item) + 32-item table + per-warp token buffers = 92 KB; 124-128 registers.
 //
 // Errors: a bad request (cu_seqlens pair, num_accepted, an index >= P, a token row) writes nothing
 // and its code goes to the block's error word; conflicts between requests are reported the same
@@ -46,13 +44,11 @@
 namespace flashkda {
 namespace sm90 {
 
-// Tokens per item whose raw inputs the producer stages (kTok, a template axis: 1 for plain decode,
-// kStageTokens for spec decode) and the stages per block that fit two blocks per SM with it.
+// Tokens per item whose raw inputs the producer stages, and the stages per block that fit two blocks
+// per SM with them.  Plain decode uses the same layout: a 1-token layout with 5 stages measured no
+// faster (perf-notes d6d: the stage count is not what bounds an item).
 constexpr int kStageTokens = 4;
-template <int kTok>
-struct DecodeStages {
-  static constexpr int value = kTok == 1 ? 5 : 3;
-};
+constexpr int kDecodeStages = 3;
 constexpr int kDecodeErrorSlots = 1024;  // error words; also the grid bound
 constexpr int kDecodeProducerWarp = kTokenWarps;
 constexpr int kDecodeCheckerWarp = kTokenWarps + 1;
@@ -73,30 +69,29 @@ struct DecodeItem {
   int nstaged;  // tokens whose raw inputs are in the stage
 };
 
-template <int D, bool kF32, int kTok>
+template <int D, bool kF32>
 struct DecodeStage {
   static constexpr int kRows = TokenLayout<D>::kRowsPerBlock;
   static constexpr int kStateBytes = kRows * D * (kF32 ? 4 : 2);
   alignas(128) unsigned char state[kStateBytes];
-  alignas(16) bf16 q[kTok][D];
-  alignas(16) bf16 k[kTok][D];
-  alignas(16) unsigned char g[kTok][D * 4];  // fp32 or bf16 as given
-  alignas(16) bf16 v[kTok][kRows];
+  alignas(16) bf16 q[kStageTokens][D];
+  alignas(16) bf16 k[kStageTokens][D];
+  alignas(16) unsigned char g[kStageTokens][D * 4];  // fp32 or bf16 as given
+  alignas(16) bf16 v[kStageTokens][kRows];
   alignas(16) float dtb[D];
-  TokenBuf<D> tok[kTok];  // the staged tokens, preprocessed by the prep warp
-  float tok_beta[kTok];
+  TokenBuf<D> tok[kStageTokens];  // the staged tokens, preprocessed by the prep warp
+  float tok_beta[kStageTokens];
   DecodeItem info;
 };
 
-template <int D, bool kF32, int kTok>
+template <int D, bool kF32>
 struct DecodeSmem {
-  static constexpr int kStages = DecodeStages<kTok>::value;
-  DecodeStage<D, kF32, kTok> stage[kStages];
+  DecodeStage<D, kF32> stage[kDecodeStages];
   DecodeItem tab[32];
-  TokenBuf<D> own[kTokenWarps];  // per consumer warp: tokens past the stage
-  uint64_t full[kStages];        // state + raw tokens landed (producer lanes + TMA bytes)
-  uint64_t ready[kStages];       // staged tokens preprocessed (prep warp)
-  uint64_t empty[kStages];       // consumers done with the stage
+  TokenBuf<D> own[kTokenWarps];   // per consumer warp: tokens past the stage
+  uint64_t full[kDecodeStages];   // state + raw tokens landed (producer lanes + TMA bytes)
+  uint64_t ready[kDecodeStages];  // staged tokens preprocessed (prep warp)
+  uint64_t empty[kDecodeStages];  // consumers done with the stage
   int err;
 };
 
@@ -173,13 +168,15 @@ __device__ inline DecodeItem resolve_decode_item(const DecodeArgs& a, int64_t it
   it.read = -1;
   it.nstaged = 0;
   it.expA = 0.f;
+  // The read slot's loads depend on n alone: issued first, they overlap the span's (its index load is
+  // the round trip that gates the state copy).
+  const ReadSlotLoad rs = decode_read_slot_load(a, it.n);
   int err =
       decode_span(a, it.n, &it.batch, &it.bos, &it.len) ? 0 : static_cast<int>(DeviceError::kBadCuSeqlens);
   const int ns = err == 0 ? static_cast<int>(it.len < stage_tokens ? it.len : stage_tokens) : 0;
-  // Everything that depends only on the span is issued before the read slot resolves (its index
-  // load is the round trip that gates the state copy): A_log, the rows and write slots of the staged
-  // tokens, and beta at rows bos + t when there is no token_rows map (always in bounds; discarded on
-  // an error).
+  // Everything that depends only on the span is issued before the read slot is checked: A_log, the
+  // rows and write slots of the staged tokens, and beta at rows bos + t when there is no token_rows
+  // map (always in bounds; discarded on an error).
   const bool gated = a.gate_mode != kGatePrecomputed;
   const float a_log = gated ? a.A_log[it.h] : 0.f;
 #pragma unroll
@@ -197,7 +194,7 @@ __device__ inline DecodeItem resolve_decode_item(const DecodeArgs& a, int64_t it
       if (a.spec && t < a.slots) it.slot[t] = slot_at(a, it.n, t);
     }
   }
-  if (err == 0) err = decode_read_slot(a, it.n, it.len, &it.read);
+  if (err == 0) err = decode_read_slot_check(a, rs, it.len, &it.read);
   if (err == 0) {
 #pragma unroll
     for (int t = 0; t < kStageTokens; ++t) {
@@ -232,10 +229,10 @@ __device__ inline DecodeItem resolve_decode_item(const DecodeArgs& a, int64_t it
 }
 
 // Producer: per item, the stage's state slice (TMA bulk) and the staged tokens' raw inputs (cp.async).
-template <int D, bool kF32, int kTok>
-__device__ inline void issue_decode_item(const DecodeArgs& a, const DecodeItem& it,
-                                         DecodeStage<D, kF32, kTok>& st, uint64_t* full, int lane) {
-  using Stage = DecodeStage<D, kF32, kTok>;
+template <int D, bool kF32>
+__device__ inline void issue_decode_item(const DecodeArgs& a, const DecodeItem& it, DecodeStage<D, kF32>& st,
+                                         uint64_t* full, int lane) {
+  using Stage = DecodeStage<D, kF32>;
   constexpr int R = Stage::kRows;
   const bool live = it.err == 0 && it.read >= 0 && it.len > 0;
   if (lane == 0) st.info = it;
@@ -275,8 +272,8 @@ __device__ inline void issue_decode_item(const DecodeArgs& a, const DecodeItem& 
 }
 
 // The raw inputs of staged token t (this lane's D / 32 columns) and its beta.
-template <int D, bool kF32, int kTok>
-__device__ inline void stage_token_raw(const DecodeArgs& a, const DecodeStage<D, kF32, kTok>& st,
+template <int D, bool kF32>
+__device__ inline void stage_token_raw(const DecodeArgs& a, const DecodeStage<D, kF32>& st,
                                        const DecodeItem& info, int t, int lane, TokenRaw<D>& raw) {
   constexpr int PC = D / 32;
   const int c = lane * PC;  // vector loads: the stage rows are 16-byte aligned
@@ -319,19 +316,18 @@ __device__ inline bool decode_request_conflicts(const DecodeArgs& a, int64_t n, 
   return __any_sync(0xffffffffu, conflict);
 }
 
-template <int D, bool kF32, int kTok>
+template <int D, bool kF32>
 __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
     decode_pipelined_kernel(const DecodeArgs a, const int64_t total_items) {
   using TL = TokenLayout<D>;
-  using Stage = DecodeStage<D, kF32, kTok>;
+  using Stage = DecodeStage<D, kF32>;
   using StateT = typename std::conditional<kF32, float, bf16>::type;
   constexpr int PC = TL::kColsPerLane;
   constexpr int kR = TL::kRowsPerThread;
   constexpr int R = Stage::kRows;
   static_assert(Stage::kStateBytes % 16 == 0, "TMA bulk copies move multiples of 16 bytes");
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  using Smem = DecodeSmem<D, kF32, kTok>;
-  constexpr int kDecodeStages = Smem::kStages;
+  using Smem = DecodeSmem<D, kF32>;
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -357,7 +353,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
     int64_t k = 0;  // items issued
     for (int64_t first = blockIdx.x; first < total_items; first += 32 * G) {
       const int64_t mine = first + lane * G;
-      if (mine < total_items) sm.tab[lane] = resolve_decode_item<D>(a, mine, kTok);
+      if (mine < total_items) sm.tab[lane] = resolve_decode_item<D>(a, mine, kStageTokens);
       __syncwarp();
       const int64_t left = (total_items - first + G - 1) / G;
       const int cnt = static_cast<int>(left < 32 ? left : 32);
@@ -366,7 +362,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
         if (k >= kDecodeStages) mbar_wait(&sm.empty[s], static_cast<uint32_t>((k / kDecodeStages - 1) & 1));
         const DecodeItem& it = sm.tab[l];
         if (lane == 0 && it.err != 0) atomicCAS(&sm.err, 0, it.err);
-        issue_decode_item<D, kF32, kTok>(a, it, sm.stage[s], &sm.full[s], lane);
+        issue_decode_item<D, kF32>(a, it, sm.stage[s], &sm.full[s], lane);
       }
       __syncwarp();  // the table is rewritten by the next 32 items
     }
@@ -395,11 +391,11 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
         const int nstaged = info.nstaged;
         const float expA = info.expA;
 #pragma unroll
-        for (int t = 0; t < kTok; ++t) {
+        for (int t = 0; t < kStageTokens; ++t) {
           if (t < nstaged) {
             TokenRaw<D> raw;
-            stage_token_raw<D, kF32, kTok>(a, st, info, t, lane, raw);
-            const float bt = preprocess_token<D>(a, raw, expA, dtb, st.tok[t], lane);
+            stage_token_raw<D, kF32>(a, st, info, t, lane, raw);
+            const float bt = preprocess_token<D, true>(a, raw, expA, dtb, st.tok[t], lane);
             if (lane == 0) st.tok_beta[t] = bt;
           }
         }
@@ -480,7 +476,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
         const int64_t w = a.spec ? slot_at(a, n, t) : -1;
         float expA_h, dtb[PC];
         load_gate_params<D>(a, h, lane, &expA_h, dtb);
-        const float bt = preprocess_token<D>(a, raw, expA_h, dtb, own, lane);
+        const float bt = preprocess_token<D, true>(a, raw, expA_h, dtb, own, lane);
         __syncwarp();
         bf16* orow = a.out + batch * a.out_sb + row * a.out_st + out_col;
         float o[kR];
@@ -507,16 +503,16 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
   }
 }
 
-template <int D, bool kF32, int kTok>
-Status launch_decode_pipelined_tok(const DecodeArgs& a, int num_sms, bool pdl, cudaStream_t stream) {
+template <int D, bool kF32>
+Status launch_decode_pipelined(const DecodeArgs& a, int num_sms, bool pdl, cudaStream_t stream) {
   constexpr int kSlices = D / TokenLayout<D>::kRowsPerBlock;
   const int64_t total = static_cast<int64_t>(a.N) * a.H * kSlices;
   int64_t grid = static_cast<int64_t>(num_sms) * kDecodeBlocksPerSm;
   if (grid > kDecodeErrorSlots) grid = kDecodeErrorSlots;
   if (grid > total) grid = total;
   if (grid < 1) grid = 1;
-  const size_t smem = sizeof(DecodeSmem<D, kF32, kTok>);
-  const cudaError_t e = set_smem_limit_once<decode_pipelined_kernel<D, kF32, kTok>>(static_cast<int>(smem));
+  const size_t smem = sizeof(DecodeSmem<D, kF32>);
+  const cudaError_t e = set_smem_limit_once<decode_pipelined_kernel<D, kF32>>(static_cast<int>(smem));
   if (e != cudaSuccess) return cuda_status(e, "decode_pipelined_kernel attribute");
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(grid));
@@ -528,18 +524,8 @@ Status launch_decode_pipelined_tok(const DecodeArgs& a, int num_sms, bool pdl, c
   attr[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  return cuda_status(cudaLaunchKernelEx(&cfg, decode_pipelined_kernel<D, kF32, kTok>, a, total),
+  return cuda_status(cudaLaunchKernelEx(&cfg, decode_pipelined_kernel<D, kF32>, a, total),
                      "decode_pipelined_kernel launch");
-}
-
-// Plain decode stages one token per item (5 stages per block); spec decode stages kStageTokens (3
-// stages).  a.plain_full_stages (dev switch FLASHKDA_DECODE_PLAIN_TOK4=1) gives plain decode the
-// spec layout, for A/B runs.
-template <int D, bool kF32>
-Status launch_decode_pipelined(const DecodeArgs& a, int num_sms, bool pdl, cudaStream_t stream) {
-  if (!a.spec && !a.plain_full_stages)
-    return launch_decode_pipelined_tok<D, kF32, 1>(a, num_sms, pdl, stream);
-  return launch_decode_pipelined_tok<D, kF32, kStageTokens>(a, num_sms, pdl, stream);
 }
 
 }  // namespace sm90

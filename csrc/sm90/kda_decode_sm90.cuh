@@ -54,12 +54,11 @@ struct DecodeArgs {
   // Byte alignment (16, 8, 4 or 2) of every head row of q, k, g, of every row slice of v and of
   // dt_bias's head rows: the piece size of the pipelined kernel's cp.async copies.
   int align_q, align_k, align_g, align_v, align_dtb;
-  int plain_full_stages;  // host-side dev switch (see launch_decode_pipelined)
-  const float* A_log;     // [H] (null for the precomputed gate)
-  const float* dt_bias;   // [H * K]
-  void* pool;             // [P, H, V, K] fp32 / bf16
-  int64_t pool_rows;      // P
-  const void* idx;        // [N] or [N, S]
+  const float* A_log;    // [H] (null for the precomputed gate)
+  const float* dt_bias;  // [H * K]
+  void* pool;            // [P, H, V, K] fp32 / bf16
+  int64_t pool_rows;     // P
+  const void* idx;       // [N] or [N, S]
   int idx_int64;
   int64_t slots;  // S (1 for 1-D)
   int spec;       // 2-D indices
@@ -97,17 +96,29 @@ __device__ inline int64_t slot_at(const DecodeArgs& a, int64_t n, int64_t col) {
 
 // The read slot of request n (negative: padded); returns 0 or the DeviceError code.  Checks what
 // the read slot depends on: num_accepted in [1, S], the slot < P, and (spec) len <= S.
-__device__ inline int decode_read_slot(const DecodeArgs& a, int64_t n, int64_t len, int64_t* read) {
-  int64_t col = 0;
-  if (a.spec) {
-    const int64_t acc = load_index(a.num_accepted, a.acc_int64, n);
-    if (acc < 1 || acc > a.slots) return static_cast<int>(DeviceError::kBadAcceptedCount);
-    col = acc - 1;
-  }
-  *read = slot_at(a, n, col);
+// Split in two for callers that want the loads early: decode_read_slot_load issues them (they depend
+// on n alone: num_accepted -> index entry, the entry clamped into the row) and decode_read_slot_check
+// validates once the span is known.
+struct ReadSlotLoad {
+  int64_t acc, slot;
+};
+__device__ inline ReadSlotLoad decode_read_slot_load(const DecodeArgs& a, int64_t n) {
+  ReadSlotLoad r;
+  r.acc = a.spec ? load_index(a.num_accepted, a.acc_int64, n) : 1;
+  const int64_t col = a.spec && r.acc >= 1 && r.acc <= a.slots ? r.acc - 1 : 0;
+  r.slot = slot_at(a, n, col);
+  return r;
+}
+__device__ inline int decode_read_slot_check(const DecodeArgs& a, const ReadSlotLoad& r, int64_t len,
+                                             int64_t* read) {
+  if (a.spec && (r.acc < 1 || r.acc > a.slots)) return static_cast<int>(DeviceError::kBadAcceptedCount);
+  *read = r.slot;
   if (*read >= a.pool_rows) return static_cast<int>(DeviceError::kBadStateIndex);
   if (a.spec && *read >= 0 && len > a.slots) return static_cast<int>(DeviceError::kBadStateIndex);
   return 0;
+}
+__device__ inline int decode_read_slot(const DecodeArgs& a, int64_t n, int64_t len, int64_t* read) {
+  return decode_read_slot_check(a, decode_read_slot_load(a, n), len, read);
 }
 
 // True when request m (!= n, valid, not padded) reads or writes a row that n writes, or writes a

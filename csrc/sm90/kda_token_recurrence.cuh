@@ -47,6 +47,8 @@ struct TokenBuf {
   float q[D];      // scale * l2norm(q)
   float k[D];      // l2norm(k)
   float decay[D];  // exp(a)
+  float kq;        // k . q of the two above, when asked for (advance_rows: o = S' q + u (k . q))
+  float pad[3];    // keeps arrays of TokenBuf 16-byte aligned for the float4 reads
 };
 
 // The state columns a lane owns: 4 j + 4 LPR i + c.
@@ -109,8 +111,9 @@ __device__ inline void load_gate_params(const A& a, int h, int lane, float* expA
   for (int i = 0; i < PC; ++i) dtb[i] = gated ? a.dt_bias[h * D + lane * PC + i] : 0.f;
 }
 
-// Preprocesses a loaded token into a shared buffer (spec section 2) and returns b.
-template <int D, class A>
+// Preprocesses a loaded token into a shared buffer (spec section 2) and returns b.  kWithKq: also
+// buf.kq = k . q (for advance_rows; five more shuffles, so only where the caller needs it).
+template <int D, bool kWithKq = false, class A>
 __device__ inline float preprocess_token(const A& a, const TokenRaw<D>& t, float expA_h,
                                          const float (&dtb)[D / 32], TokenBuf<D>& buf, int lane) {
   constexpr int PC = D / 32;
@@ -135,11 +138,18 @@ __device__ inline float preprocess_token(const A& a, const TokenRaw<D>& t, float
     ks = rsqrtf(sk + 1e-6f);
   }
   const int c0 = lane * PC;
+  float kq = 0.f;
 #pragma unroll
   for (int i = 0; i < PC; ++i) {
     buf.q[c0 + i] = q[i] * qs;
     buf.k[c0 + i] = k[i] * ks;
     buf.decay[c0 + i] = d[i];
+    if constexpr (kWithKq) kq += (q[i] * qs) * (k[i] * ks);
+  }
+  if constexpr (kWithKq) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) kq += __shfl_xor_sync(0xffffffffu, kq, o);
+    if (lane == 0) buf.kq = kq;
   }
   return a.beta_sigmoid ? sigmoidf_(t.beta) : t.beta;
 }
@@ -183,6 +193,9 @@ __device__ inline float advance_row(float (&s)[16], const TokenBuf<D>& buf, int 
 // One token on all kR rows of the thread at once: the token's q, k and decay columns are read from
 // shared memory once for every row, and the rows' dot products run interleaved with two partial sums
 // each (independent chains instead of one 16-long dependent chain per row).  o[q] = output of row q.
+// The output needs no second reduction after the update: with S' = d S (decayed row) and
+// u = b (v - S' k), the new row is S' + u k^T, so o = (S' + u k^T) q = S' q + u (k . q); S' k and S' q
+// reduce together (one shuffle round trip per token instead of two on the dependent chain).
 template <int D, int kR>
 __device__ inline void advance_rows(float (&s)[kR][16], const TokenBuf<D>& buf, int j, float b,
                                     const float (&v)[kR], float (&o)[kR]) {
@@ -195,10 +208,11 @@ __device__ inline void advance_rows(float (&s)[kR][16], const TokenBuf<D>& buf, 
     k4[i] = *reinterpret_cast<const float4*>(&buf.k[col]);
     q4[i] = *reinterpret_cast<const float4*>(&buf.q[col]);
   }
-  float pred[kR], out[kR];
+  const float kq = buf.kq;
+  float pred[kR], sq[kR];
 #pragma unroll
   for (int q = 0; q < kR; ++q) {
-    float p0 = 0.f, p1 = 0.f;
+    float p0 = 0.f, p1 = 0.f, o0 = 0.f, o1 = 0.f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       s[q][4 * i + 0] *= d4[i].x;
@@ -207,36 +221,32 @@ __device__ inline void advance_rows(float (&s)[kR][16], const TokenBuf<D>& buf, 
       s[q][4 * i + 3] *= d4[i].w;
       p0 += s[q][4 * i] * k4[i].x + s[q][4 * i + 2] * k4[i].z;
       p1 += s[q][4 * i + 1] * k4[i].y + s[q][4 * i + 3] * k4[i].w;
+      o0 += s[q][4 * i] * q4[i].x + s[q][4 * i + 2] * q4[i].z;
+      o1 += s[q][4 * i + 1] * q4[i].y + s[q][4 * i + 3] * q4[i].w;
     }
     pred[q] = p0 + p1;
+    sq[q] = o0 + o1;
   }
 #pragma unroll
   for (int off = LPR / 2; off > 0; off >>= 1) {
 #pragma unroll
-    for (int q = 0; q < kR; ++q) pred[q] += __shfl_xor_sync(0xffffffffu, pred[q], off);
+    for (int q = 0; q < kR; ++q) {
+      pred[q] += __shfl_xor_sync(0xffffffffu, pred[q], off);
+      sq[q] += __shfl_xor_sync(0xffffffffu, sq[q], off);
+    }
   }
 #pragma unroll
   for (int q = 0; q < kR; ++q) {
     const float u = b * (v[q] - pred[q]);
-    float o0 = 0.f, o1 = 0.f;
+    o[q] = sq[q] + u * kq;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       s[q][4 * i + 0] += u * k4[i].x;
       s[q][4 * i + 1] += u * k4[i].y;
       s[q][4 * i + 2] += u * k4[i].z;
       s[q][4 * i + 3] += u * k4[i].w;
-      o0 += s[q][4 * i] * q4[i].x + s[q][4 * i + 2] * q4[i].z;
-      o1 += s[q][4 * i + 1] * q4[i].y + s[q][4 * i + 3] * q4[i].w;
     }
-    out[q] = o0 + o1;
   }
-#pragma unroll
-  for (int off = LPR / 2; off > 0; off >>= 1) {
-#pragma unroll
-    for (int q = 0; q < kR; ++q) out[q] += __shfl_xor_sync(0xffffffffu, out[q], off);
-  }
-#pragma unroll
-  for (int q = 0; q < kR; ++q) o[q] = out[q];
 }
 
 // State row I/O: 16 columns of one row, fp32 (four float4) or bf16 (four 8-byte pieces).
