@@ -17,9 +17,10 @@
 //   warp 4, producer: resolves 32 items at a time, one per lane (cu_seqlens, num_accepted, the read
 //     slot, every index entry and token row checked, beta, exp(A_log)) into a shared table, so the
 //     chain of dependent index loads is paid once per 32 items; then per item: waits for a free
-//     stage (`empty`), TMA bulk copy of the state slice, cp.async of the raw q, k, g, v of up to
-//     kStageTokens tokens and of dt_bias, all completing on the stage's `full` mbarrier.
-//   warp 6, prep: per item, after `full`, preprocesses the staged tokens (l2norm, gate, beta) once
+//     stage (`empty`), TMA bulk copy of the state slice (completing on the stage's `full` mbarrier),
+//     cp.async of the raw q, k, g, v of up to kStageTokens tokens and of dt_bias (on `tfull`).
+//   warp 6, prep: per item, after `tfull` (the state may still be in flight), preprocesses the staged tokens
+//   (l2norm, gate, beta) once
 //     into the stage's token buffers and arrives on `ready`.
 //   warp 5, checker: the pool-row conflict check of the requests the block owns (n = b mod G), a
 //     chain of L2 round trips kept off the other warps' paths.
@@ -89,7 +90,8 @@ struct DecodeSmem {
   DecodeStage<D, kF32> stage[kDecodeStages];
   DecodeItem tab[32];
   TokenBuf<D> own[kTokenWarps];   // per consumer warp: tokens past the stage
-  uint64_t full[kDecodeStages];   // state + raw tokens landed (producer lanes + TMA bytes)
+  uint64_t full[kDecodeStages];   // state slice landed (TMA bytes; the producer's lane 0)
+  uint64_t tfull[kDecodeStages];  // item record + raw tokens landed (producer lanes' cp.async)
   uint64_t ready[kDecodeStages];  // staged tokens preprocessed (prep warp)
   uint64_t empty[kDecodeStages];  // consumers done with the stage
   int err;
@@ -228,14 +230,29 @@ __device__ inline DecodeItem resolve_decode_item(const DecodeArgs& a, int64_t it
   return it;
 }
 
-// Producer: per item, the stage's state slice (TMA bulk) and the staged tokens' raw inputs (cp.async).
+// Producer: per item, the stage's state slice (TMA bulk, first: the long transfer) completing on
+// `full`, and the item record plus the staged tokens' raw inputs (cp.async) completing on `tfull`, so
+// the prep warp works on the tokens while the state is still in flight.
 template <int D, bool kF32>
 __device__ inline void issue_decode_item(const DecodeArgs& a, const DecodeItem& it, DecodeStage<D, kF32>& st,
-                                         uint64_t* full, int lane) {
+                                         uint64_t* full, uint64_t* tfull, int lane) {
   using Stage = DecodeStage<D, kF32>;
   constexpr int R = Stage::kRows;
   const bool live = it.err == 0 && it.read >= 0 && it.len > 0;
-  if (lane == 0) st.info = it;
+  if (lane == 0) {
+    if (live) {
+      const int64_t head_rows = static_cast<int64_t>(a.H) * D;
+      const char* src =
+          static_cast<const char*>(a.pool) +
+          ((it.read * head_rows + static_cast<int64_t>(it.h) * D + static_cast<int64_t>(it.slice) * R) * D) *
+              (kF32 ? 4 : 2);
+      mbar_arrive_expect_tx(full, Stage::kStateBytes);
+      bulk_load(st.state, src, Stage::kStateBytes, full);
+    } else {
+      mbar_arrive(full);
+    }
+    st.info = it;
+  }
   if (live) {
     const int h = it.h;
     for (int t = 0; t < it.nstaged; ++t) {
@@ -257,18 +274,8 @@ __device__ inline void issue_decode_item(const DecodeArgs& a, const DecodeItem& 
     if (a.gate_mode != kGatePrecomputed)
       copy_row_async(st.dtb, a.dt_bias + static_cast<int64_t>(h) * D, D * 4, a.align_dtb, lane);
   }
-  cp_async_mbar_arrive(full);
-  if (lane == 0 && live) {
-    const int64_t head_rows = static_cast<int64_t>(a.H) * D;
-    const char* src =
-        static_cast<const char*>(a.pool) +
-        ((it.read * head_rows + static_cast<int64_t>(it.h) * D + static_cast<int64_t>(it.slice) * R) * D) *
-            (kF32 ? 4 : 2);
-    mbar_arrive_expect_tx(full, Stage::kStateBytes);
-    bulk_load(st.state, src, Stage::kStateBytes, full);
-  } else {
-    mbar_arrive(full);
-  }
+  cp_async_mbar_arrive(tfull);
+  mbar_arrive(tfull);
 }
 
 // The raw inputs of staged token t (this lane's D / 32 columns) and its beta.
@@ -334,7 +341,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
   const int64_t G = gridDim.x;
   if (tid == 0) {
     for (int s = 0; s < kDecodeStages; ++s) {
-      mbar_init(&sm.full[s], 32);                 // the producer's lanes
+      mbar_init(&sm.full[s], 1);                  // the producer's lane 0 (+ TMA bytes)
+      mbar_init(&sm.tfull[s], 32);                // the producer's lanes
       mbar_init(&sm.ready[s], 32);                // the prep warp's lanes
       mbar_init(&sm.empty[s], kTokenWarps * 32);  // every consumer thread
     }
@@ -362,7 +370,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
         if (k >= kDecodeStages) mbar_wait(&sm.empty[s], static_cast<uint32_t>((k / kDecodeStages - 1) & 1));
         const DecodeItem& it = sm.tab[l];
         if (lane == 0 && it.err != 0) atomicCAS(&sm.err, 0, it.err);
-        issue_decode_item<D, kF32>(a, it, sm.stage[s], &sm.full[s], lane);
+        issue_decode_item<D, kF32>(a, it, sm.stage[s], &sm.full[s], &sm.tfull[s], lane);
       }
       __syncwarp();  // the table is rewritten by the next 32 items
     }
@@ -381,7 +389,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
     int64_t k = 0;
     for (int64_t item = blockIdx.x; item < total_items; item += G, ++k) {
       const int s = static_cast<int>(k % kDecodeStages);
-      mbar_wait(&sm.full[s], static_cast<uint32_t>((k / kDecodeStages) & 1));
+      mbar_wait(&sm.tfull[s], static_cast<uint32_t>((k / kDecodeStages) & 1));  // not the state
       Stage& st = sm.stage[s];
       const DecodeItem& info = st.info;
       if (info.err == 0 && info.read >= 0 && info.len > 0) {
@@ -412,8 +420,9 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
     for (int64_t item = blockIdx.x; item < total_items; item += G, ++k) {
       const int s = static_cast<int>(k % kDecodeStages);
       const uint32_t parity = static_cast<uint32_t>((k / kDecodeStages) & 1);
-      mbar_wait(&sm.full[s], parity);  // the TMA bytes (also implied by `ready`; waited on for clarity)
+      mbar_wait(&sm.tfull[s], parity);  // record and raw v (also implied by `ready`; for clarity)
       mbar_wait(&sm.ready[s], parity);
+      mbar_wait(&sm.full[s], parity);  // the state slice
       Stage& st = sm.stage[s];
       // Scalars of the item in registers (the stage is released before the stores).
       const DecodeItem& info = st.info;

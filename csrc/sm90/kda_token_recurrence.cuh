@@ -112,44 +112,45 @@ __device__ inline void load_gate_params(const A& a, int h, int lane, float* expA
 }
 
 // Preprocesses a loaded token into a shared buffer (spec section 2) and returns b.  kWithKq: also
-// buf.kq = k . q (for advance_rows; five more shuffles, so only where the caller needs it).
+// buf.kq = k . q of the buffered (normalised, scaled) q and k, for advance_rows: the raw dot product
+// reduces in the same shuffle rounds as the two norms, then takes both scales.
 template <int D, bool kWithKq = false, class A>
 __device__ inline float preprocess_token(const A& a, const TokenRaw<D>& t, float expA_h,
                                          const float (&dtb)[D / 32], TokenBuf<D>& buf, int lane) {
   constexpr int PC = D / 32;
   float q[PC], k[PC], d[PC];
-  float sq = 0.f, sk = 0.f;
+  float sq = 0.f, sk = 0.f, kq = 0.f;
 #pragma unroll
   for (int i = 0; i < PC; ++i) {
     q[i] = t.q[i];
     k[i] = t.k[i];
     sq += q[i] * q[i];
     sk += k[i] * k[i];
+    if constexpr (kWithKq) kq += q[i] * k[i];
     d[i] = fast_exp2(gate_log_decay(a.gate_mode, t.g[i], expA_h, dtb[i], a.lower_bound) * kLog2e);
   }
-  float qs = a.scale, ks = 1.f;
-  if (a.l2norm) {
+  if (a.l2norm || kWithKq) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
       sq += __shfl_xor_sync(0xffffffffu, sq, o);
       sk += __shfl_xor_sync(0xffffffffu, sk, o);
+      if constexpr (kWithKq) kq += __shfl_xor_sync(0xffffffffu, kq, o);
     }
+  }
+  float qs = a.scale, ks = 1.f;
+  if (a.l2norm) {
     qs *= rsqrtf(sq + 1e-6f);  // x / sqrt(sum x^2 + 1e-6), as the prefill
     ks = rsqrtf(sk + 1e-6f);
   }
   const int c0 = lane * PC;
-  float kq = 0.f;
 #pragma unroll
   for (int i = 0; i < PC; ++i) {
     buf.q[c0 + i] = q[i] * qs;
     buf.k[c0 + i] = k[i] * ks;
     buf.decay[c0 + i] = d[i];
-    if constexpr (kWithKq) kq += (q[i] * qs) * (k[i] * ks);
   }
   if constexpr (kWithKq) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) kq += __shfl_xor_sync(0xffffffffu, kq, o);
-    if (lane == 0) buf.kq = kq;
+    if (lane == 0) buf.kq = kq * qs * ks;
   }
   return a.beta_sigmoid ? sigmoidf_(t.beta) : t.beta;
 }
