@@ -20,7 +20,7 @@ C = 64
 
 def record_views(ws: torch.Tensor, slot: int, h: int, H: int, D: int):
     rec_bytes = 4 * C * D * 2 + C * C * 2 + D * 4 + 128
-    base = 256 + (slot * H + h) * rec_bytes
+    base = 4096 + (slot * H + h) * rec_bytes  # after the error header (kWorkspaceHeaderBytes)
     raw = ws.view(torch.uint8)[base: base + rec_bytes]
     off = 0
 
