@@ -18,7 +18,8 @@
 //     slot, every index entry and token row checked, beta, exp(A_log)) into a shared table, so the
 //     chain of dependent index loads is paid once per 32 items; then per item: waits for a free
 //     stage (`empty`), TMA bulk copy of the state slice (completing on the stage's `full` mbarrier),
-//     cp.async of the raw q, k, g, v of up to kStageTokens tokens and of dt_bias (on `tfull`).
+//     bulk copies (or cp.async) of the raw q, k, g, v of up to kStageTokens tokens and of dt_bias
+//     (on `tfull`).
 //   warp 6, prep: per item, after `tfull` (the state may still be in flight), preprocesses the staged tokens
 //   (l2norm, gate, beta) once
 //     into the stage's token buffers and arrives on `ready`.
@@ -231,8 +232,9 @@ __device__ inline DecodeItem resolve_decode_item(const DecodeArgs& a, int64_t it
 }
 
 // Producer: per item, the stage's state slice (TMA bulk, first: the long transfer) completing on
-// `full`, and the item record plus the staged tokens' raw inputs (cp.async) completing on `tfull`, so
-// the prep warp works on the tokens while the state is still in flight.
+// `full`, and the item record plus the staged tokens' raw inputs (TMA bulk copies when every row is
+// 16-byte aligned, else cp.async pieces) completing on `tfull`, so the prep warp works on the tokens
+// while the state is still in flight.
 template <int D, bool kF32>
 __device__ inline void issue_decode_item(const DecodeArgs& a, const DecodeItem& it, DecodeStage<D, kF32>& st,
                                          uint64_t* full, uint64_t* tfull, int lane) {
@@ -251,7 +253,41 @@ __device__ inline void issue_decode_item(const DecodeArgs& a, const DecodeItem& 
     } else {
       mbar_arrive(full);
     }
-    st.info = it;
+  }
+  {  // the record, one 4-byte word per lane (a struct copy by one lane is ~20 dependent smem ops)
+    static_assert(sizeof(DecodeItem) % 4 == 0, "record copied in words");
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(&it);
+    uint32_t* dst = reinterpret_cast<uint32_t*>(&st.info);
+    for (int w = lane; w < static_cast<int>(sizeof(DecodeItem) / 4); w += 32) dst[w] = src[w];
+  }
+  const int align = min(min(min(a.align_q, a.align_k), min(a.align_g, a.align_v)), a.align_dtb);
+  const bool gated = a.gate_mode != kGatePrecomputed;
+  if (live && align >= 16) {
+    // Every row 16-byte aligned (the usual case): TMA bulk copies on `tfull` with their byte counts,
+    // lane t < nstaged for token t's four rows, lane 31 for dt_bias; few instructions per item.
+    const int ge = a.g_fp32 ? 4 : 2;
+    const int h = it.h;
+    if (lane < it.nstaged) {
+      const int t = lane;
+      const int64_t row = it.row[t];
+      mbar_arrive_expect_tx(tfull, static_cast<uint32_t>(D * 2 * 2 + D * ge + R * 2));
+      bulk_load(st.q[t], a.q + it.batch * a.q_sb + row * a.q_st + static_cast<int64_t>(h) * D, D * 2, tfull);
+      bulk_load(st.k[t], a.k + it.batch * a.k_sb + row * a.k_st + static_cast<int64_t>(h) * D, D * 2, tfull);
+      bulk_load(st.g[t],
+                static_cast<const char*>(a.g) +
+                    (it.batch * a.g_sb + row * a.g_st + static_cast<int64_t>(h) * D) * ge,
+                D * ge, tfull);
+      bulk_load(st.v[t],
+                a.v + it.batch * a.v_sb + row * a.v_st + static_cast<int64_t>(h) * D +
+                    static_cast<int64_t>(it.slice) * R,
+                R * 2, tfull);
+    } else if (lane == 31 && gated) {
+      mbar_arrive_expect_tx(tfull, D * 4);
+      bulk_load(st.dtb, a.dt_bias + static_cast<int64_t>(h) * D, D * 4, tfull);
+    } else {
+      mbar_arrive(tfull);
+    }
+    return;
   }
   if (live) {
     const int h = it.h;
@@ -271,8 +307,7 @@ __device__ inline void issue_decode_item(const DecodeArgs& a, const DecodeItem& 
                          static_cast<int64_t>(it.slice) * R,
                      R * 2, a.align_v, lane);
     }
-    if (a.gate_mode != kGatePrecomputed)
-      copy_row_async(st.dtb, a.dt_bias + static_cast<int64_t>(h) * D, D * 4, a.align_dtb, lane);
+    if (gated) copy_row_async(st.dtb, a.dt_bias + static_cast<int64_t>(h) * D, D * 4, a.align_dtb, lane);
   }
   cp_async_mbar_arrive(tfull);
   mbar_arrive(tfull);
