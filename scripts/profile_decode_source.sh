@@ -27,6 +27,7 @@ for c in "${cases[@]}"; do
   ncu -i "$P/$tag.ncu-rep" --page details > "$P/${tag}_details.txt" 2>&1
   ncu -i "$P/$tag.ncu-rep" --page source --csv --print-source sass > "$P/${tag}_sass.csv" 2>&1
   grep -E "Duration|Elapsed Cycles|Issued Warp|No Eligible|Warp Cycles Per Issued" "$P/${tag}_details.txt" | sed "s/^/$tag: /"
+  python3 scripts/ncu_source_summary.py "$P/${tag}_sass.csv" --top 12 | sed "s/^/$tag: /"
 done
 tar czf "$OUT/prof.tgz" -C /tmp prof
 echo "total: $(( $(date +%s) - t0 )) s"
