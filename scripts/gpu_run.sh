@@ -12,6 +12,8 @@
 #               narrows the GPU tests, e.g. PYTEST_PATHS=tests/python/test_gpu_decode.py BENCHES=decode
 #   NCU=1       also Nsight Compute sections of both kernels; SANITIZE=0 skips compute-sanitizer
 #   DECODE_NCU=1  Nsight Compute sections of the decode kernel (N=256 plain and spec 1+3, fp32 pool)
+#   BW_CEILING=1  bench/bw_ceiling.cu: copy bandwidth vs. the decode pattern (16 KB slices read and
+#               written back in place at random pool rows) without any math
 #   DECODE_VARIANTS="FLASHKDA_DECODE_KERNEL=per_request FLASHKDA_DECODE_PDL=0" also runs the decode
 #               benchmark (without fla) once per VAR=VALUE setting: bench_decode_<var>_<value>.json
 # Usage from the device tool (the device copy of the tree has no usable git history, so pass the
@@ -55,6 +57,10 @@ if [ "${DECODE_NCU:-0}" = 1 ]; then  # the decode kernel at N=256 (plain, then s
     ncu --clock-control none -k regex:decode -s 2 -c 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
       --section Occupancy --section WarpStateStats --section SchedulerStats python3 scripts/profile_decode.py 256 $t 2>&1 | tail -90
   done
+fi
+if [ "${BW_CEILING:-0}" = 1 ]; then  # the decode access pattern's own bandwidth ceiling (no KDA math)
+  nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a bench/bw_ceiling.cu -o /tmp/bw_ceiling &&
+    /tmp/bw_ceiling 256 && /tmp/bw_ceiling 64
 fi
 BENCHES=" ${BENCHES:-prefill decode} "
 if [[ "$BENCHES" == *" prefill "* ]]; then

@@ -1,0 +1,160 @@
+// bw_ceiling: the bandwidth a decode step's access pattern can reach at best, without any KDA math.
+//
+// A decode call reads and writes back, in place, one 16 KB slice (32 rows x 128 fp32 columns) per
+// (request, head, slice) at pool rows picked by a random permutation (bench/bench_decode.py: pool of
+// 8N rows, H = 16, D = 128).  Issue 6 judges the kernel against the device-to-device copy bandwidth;
+// this program measures, on the same GPU, what plain streaming kernels reach on that exact pattern,
+// so the distance between the decode kernel and the pattern's own ceiling is known:
+//   memcpy      cudaMemcpyAsync device to device (the issue's reference, read + write bytes)
+//   copy        a grid-stride float4 copy kernel, contiguous
+//   rmw-rand    every thread loads its 8 float4 of a 16 KB slice at a random pool row, scales them
+//               and stores them back in place (the decode pattern; loads of the next slice issued
+//               before the stores of this one)
+//   rmw-seq     the same on consecutive rows (pattern effect vs. random rows)
+// Usage (sm_90 machine): nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a bench/bw_ceiling.cu
+//   -o /tmp/bw_ceiling && /tmp/bw_ceiling [N=256]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#define CHECK(x)                                                                              \
+  do {                                                                                        \
+    cudaError_t e_ = (x);                                                                     \
+    if (e_ != cudaSuccess) {                                                                  \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                           \
+    }                                                                                         \
+  } while (0)
+
+constexpr int kD = 128, kH = 16, kSliceRows = 32;
+constexpr int kSliceFloats = kSliceRows * kD;  // 4096 floats = 16 KB
+constexpr int kThreads = 128;                  // 8 float4 per thread per slice
+
+__global__ void copy_kernel(const float4* __restrict__ src, float4* __restrict__ dst, size_t n) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x)
+    dst[i] = src[i];
+}
+
+// Item i = (request n, head h, slice s); its slice starts at pool row rows[n], head h, slice s.
+__global__ void __launch_bounds__(kThreads) rmw_kernel(float* pool, const int* rows, int items) {
+  constexpr int kPer = kSliceFloats / 4 / kThreads;  // 8 float4 per thread
+  auto base = [&](int item) {
+    const int n = item / (kH * (kD / kSliceRows));
+    const int rem = item % (kH * (kD / kSliceRows));
+    return reinterpret_cast<float4*>(
+        pool + (static_cast<size_t>(rows[n]) * kH * kD * kD + static_cast<size_t>(rem) * kSliceFloats));
+  };
+  int item = blockIdx.x;
+  if (item >= items) return;
+  float4 cur[kPer];
+  float4* p = base(item);
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) cur[j] = p[threadIdx.x + j * kThreads];
+  while (true) {
+    const int next = item + gridDim.x;
+    float4 nxt[kPer];
+    float4* q = nullptr;
+    if (next < items) {
+      q = base(next);
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) nxt[j] = q[threadIdx.x + j * kThreads];
+    }
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      float4 v = cur[j];
+      v.x *= 0.999f, v.y *= 0.999f, v.z *= 0.999f, v.w *= 0.999f;
+      p[threadIdx.x + j * kThreads] = v;
+    }
+    if (next >= items) break;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) cur[j] = nxt[j];
+    p = q;
+    item = next;
+  }
+}
+
+template <class F>
+static float time_us(F&& launch, int iters) {
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  for (int i = 0; i < 3; ++i) launch();
+  std::vector<float> t;
+  for (int r = 0; r < 7; ++r) {
+    CHECK(cudaEventRecord(a));
+    for (int i = 0; i < iters; ++i) launch();
+    CHECK(cudaEventRecord(b));
+    CHECK(cudaEventSynchronize(b));
+    float ms = 0.f;
+    CHECK(cudaEventElapsedTime(&ms, a, b));
+    t.push_back(ms * 1e3f / iters);
+  }
+  std::sort(t.begin(), t.end());
+  CHECK(cudaEventDestroy(a));
+  CHECK(cudaEventDestroy(b));
+  return t[t.size() / 2];
+}
+
+int main(int argc, char** argv) {
+  const int N = argc > 1 ? std::atoi(argv[1]) : 256;
+  const int P = 8 * N;
+  const size_t row_floats = static_cast<size_t>(kH) * kD * kD;
+  const size_t pool_bytes = static_cast<size_t>(P) * row_floats * 4;
+  int dev = 0, sms = 0;
+  CHECK(cudaGetDevice(&dev));
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, dev));
+  float* pool = nullptr;
+  CHECK(cudaMalloc(&pool, pool_bytes));
+  CHECK(cudaMemset(pool, 0x3c, pool_bytes));  // a finite non-zero pattern (not zeros)
+  std::vector<int> perm(P);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::mt19937 rng(0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  std::vector<int> seq(N);
+  std::iota(seq.begin(), seq.end(), 0);
+  int *rows_rand = nullptr, *rows_seq = nullptr;
+  CHECK(cudaMalloc(&rows_rand, N * sizeof(int)));
+  CHECK(cudaMalloc(&rows_seq, N * sizeof(int)));
+  CHECK(cudaMemcpy(rows_rand, perm.data(), N * sizeof(int), cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(rows_seq, seq.data(), N * sizeof(int), cudaMemcpyHostToDevice));
+
+  const size_t bytes_rw = static_cast<size_t>(N) * row_floats * 4 * 2;  // read + write
+  const int items = N * kH * (kD / kSliceRows);
+  std::printf("%s, %d SMs, N = %d: %zu MB read + written per call, %d slices of 16 KB\n", prop.name, sms, N,
+              bytes_rw >> 20, items);
+  const size_t half = static_cast<size_t>(N) * row_floats * 4;
+  float* src = pool;
+  float* dst = pool + static_cast<size_t>(N) * row_floats;  // rows N..2N-1 (P = 8N)
+  const float t_memcpy =
+      time_us([&] { CHECK(cudaMemcpyAsync(dst, src, half, cudaMemcpyDeviceToDevice)); }, 20);
+  std::printf("memcpy          %8.1f us  %5.2f TB/s\n", t_memcpy, bytes_rw / t_memcpy * 1e-6);
+  const float t_copy = time_us(
+      [&] {
+        copy_kernel<<<sms * 8, 256>>>(reinterpret_cast<const float4*>(src), reinterpret_cast<float4*>(dst),
+                                      half / 16);
+      },
+      20);
+  std::printf("copy kernel     %8.1f us  %5.2f TB/s\n", t_copy, bytes_rw / t_copy * 1e-6);
+  for (int per_sm : {2, 4, 8, 16}) {
+    const int grid = std::min(items, sms * per_sm);
+    for (int r = 0; r < 2; ++r) {
+      const int* rows = r == 0 ? rows_rand : rows_seq;
+      const float t = time_us([&] { rmw_kernel<<<grid, kThreads>>>(pool, rows, items); }, 20);
+      std::printf("rmw-%s %2d/SM  %8.1f us  %5.2f TB/s  %5.1f%% of memcpy\n", r == 0 ? "rand" : "seq ",
+                  per_sm, t, bytes_rw / t * 1e-6, 100.f * t_memcpy / t);
+    }
+  }
+  CHECK(cudaGetLastError());
+  CHECK(cudaFree(pool));
+  CHECK(cudaFree(rows_rand));
+  CHECK(cudaFree(rows_seq));
+  return 0;
+}
