@@ -48,23 +48,23 @@ int byte_align(const TensorRef& t, int elt, int64_t offset_elems) {
   return static_cast<int>(x & (~x + 1));
 }
 
-// Dev switch for A/B runs: FLASHKDA_DECODE_KERNEL=per_request selects the per-request decode
-// kernels instead of the pipelined one (read once per process).
+// Whether environment variable `name` is set to `value` (dev switches for A/B runs).
+bool env_is(const char* name, const char* value) {
+  const char* e = std::getenv(name);
+  return e != nullptr && std::strcmp(e, value) == 0;
+}
+
+// Dev switch: FLASHKDA_DECODE_KERNEL=per_request selects the per-request decode kernels instead of
+// the pipelined one (read once per process).
 bool decode_pipelined() {
-  static const bool pipelined = [] {
-    const char* e = std::getenv("FLASHKDA_DECODE_KERNEL");
-    return e == nullptr || std::strcmp(e, "per_request") != 0;
-  }();
+  static const bool pipelined = !env_is("FLASHKDA_DECODE_KERNEL", "per_request");
   return pipelined;
 }
 
 // Dev switch: FLASHKDA_DECODE_PDL=0 launches the pipelined decode kernel without programmatic
 // dependent launch.
 bool decode_pdl() {
-  static const bool pdl = [] {
-    const char* e = std::getenv("FLASHKDA_DECODE_PDL");
-    return e == nullptr || std::strcmp(e, "0") != 0;
-  }();
+  static const bool pdl = !env_is("FLASHKDA_DECODE_PDL", "0");
   return pdl;
 }
 

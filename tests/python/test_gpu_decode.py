@@ -215,6 +215,29 @@ def test_plain_decode_fp32_gate_and_beta(gen, state_dtype):
     check_decode(gen, inp, pool, perm(gen, 15)[:7].to(DEV))
 
 
+def distinct_slots(gen, P, N, T):
+    """Pool rows for N requests of T tokens, all distinct: 1-D indices for T = 1, else [N, T] indices
+    and random num_accepted_tokens in 1..T."""
+    if T == 1:
+        return perm(gen, P)[:N].to(DEV), None
+    idx = perm(gen, P)[:N * T].view(N, T).to(DEV)
+    return idx, torch.randint(1, T + 1, (N,), generator=gen).to(DEV)
+
+
+def check_same_as_dense(gen, inp, pool, idx, acc, names):
+    """check_decode on inp, then the same call with the tensors `names` as dense copies on a copy of
+    the pool: out and pool must be bitwise equal.  Returns the dense inputs and the dense run's pool."""
+    pool2 = pool.clone()
+    out, *_ = check_decode(gen, inp, pool, idx, acc)
+    dense = dict(inp)
+    for name in names:
+        dense[name] = inp[name].contiguous()
+    out2 = run_decode(dense, pool2, idx, acc)
+    torch.cuda.synchronize()
+    assert torch.equal(out, out2) and torch.equal(pool, pool2)
+    return dense, pool2
+
+
 @pytest.mark.parametrize("T", [1, 4])
 def test_row_strided_inputs(gen, T):
     """q, k, v, g and beta as slices of wider per-token rows (beta row stride != H): read in place,
@@ -224,19 +247,8 @@ def test_row_strided_inputs(gen, T):
     assert not inp["beta"].is_contiguous() and not inp["q"].is_contiguous()
     P = N * T + 5
     pool = new_pool(gen, P, H, D)
-    if T == 1:
-        idx, acc = perm(gen, P)[:N].to(DEV), None
-    else:
-        idx = perm(gen, P)[:N * T].view(N, T).to(DEV)
-        acc = torch.randint(1, T + 1, (N,), generator=gen).to(DEV)
-    pool2 = pool.clone()
-    out, *_ = check_decode(gen, inp, pool, idx, acc)
-    dense = dict(inp)
-    for name in ("q", "k", "v", "g", "beta"):
-        dense[name] = inp[name].contiguous()
-    out2 = run_decode(dense, pool2, idx, acc)
-    torch.cuda.synchronize()
-    assert torch.equal(out, out2) and torch.equal(pool, pool2)
+    idx, acc = distinct_slots(gen, P, N, T)
+    check_same_as_dense(gen, inp, pool, idx, acc, ("q", "k", "v", "g", "beta"))
 
 
 @pytest.mark.parametrize("T", [1, 3])
@@ -250,19 +262,8 @@ def test_two_byte_aligned_rows(gen, T):
     assert inp["q"].data_ptr() % 4 == 2
     P = N * T + 3
     pool = new_pool(gen, P, H, D)
-    if T == 1:
-        idx, acc = perm(gen, P)[:N].to(DEV), None
-    else:
-        idx = perm(gen, P)[:N * T].view(N, T).to(DEV)
-        acc = torch.randint(1, T + 1, (N,), generator=gen).to(DEV)
-    pool2 = pool.clone()
-    out, *_ = check_decode(gen, inp, pool, idx, acc)
-    dense = dict(inp)
-    for name in ("q", "k", "v", "g"):
-        dense[name] = inp[name].contiguous()
-    out2 = run_decode(dense, pool2, idx, acc)
-    torch.cuda.synchronize()
-    assert torch.equal(out, out2) and torch.equal(pool, pool2)
+    idx, acc = distinct_slots(gen, P, N, T)
+    dense, pool2 = check_same_as_dense(gen, inp, pool, idx, acc, ("q", "k", "v", "g"))
     g32 = dict(dense)
     g32["g"] = strided_copy(dense["g"].float(), pad=3, offset=1)
     assert g32["g"].data_ptr() % 8 == 4
