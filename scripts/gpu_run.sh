@@ -14,7 +14,7 @@
 #   DECODE_NCU=1  Nsight Compute sections of the decode kernel (N=256 plain and spec 1+3, fp32 pool)
 #   BW_CEILING=1  bench/bw_ceiling.cu: copy bandwidth vs. the decode pattern (16 KB slices read and
 #               written back in place at random pool rows) without any math
-#   DECODE_VARIANTS="FLASHKDA_DECODE_KERNEL=per_request FLASHKDA_DECODE_PDL=0" also runs the decode
+#   DECODE_VARIANTS="FLASHKDA_DECODE_KERNEL=pipelined FLASHKDA_DECODE_PDL=0" also runs the decode
 #               benchmark (without fla) once per VAR=VALUE setting: bench_decode_<var>_<value>.json
 # Usage from the device tool (the device copy of the tree has no usable git history, so pass the
 # commit in): FLASHKDA_COMMIT=<sha> MODE=full bash scripts/gpu_run.sh, carrying .whl (fla-core and
@@ -72,7 +72,7 @@ if [[ "$BENCHES" == *" decode "* ]]; then
   DARGS=""
   [ "$MODE" = quick ] && DARGS="--quick"
   python3 bench/bench_decode.py --json "$OUT/bench_decode.json" --md "$OUT/bench_decode.md" $DARGS ${DECODE_BENCH_ARGS:-}
-  for var in ${DECODE_VARIANTS:-}; do  # e.g. FLASHKDA_DECODE_KERNEL=per_request: A/B of decode variants
+  for var in ${DECODE_VARIANTS:-}; do  # e.g. FLASHKDA_DECODE_KERNEL=pipelined: A/B of decode variants
     tag=$(echo "$var" | tr 'A-Z=' 'a-z_')
     env "$var" python3 bench/bench_decode.py --json "$OUT/bench_decode_$tag.json" --md "$OUT/bench_decode_$tag.md" \
       --no-fla $DARGS ${DECODE_BENCH_ARGS:-}

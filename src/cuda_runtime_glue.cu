@@ -11,7 +11,7 @@
 
 #include "flashkda/flashkda.h"
 #include "runtime/cuda_dispatch.h"
-#include "sm90/kda_decode_pipelined.cuh"
+#include "sm90/kda_decode_sm90.cuh"
 #include "sm90/kda_prefill_sm90.cuh"
 
 namespace flashkda {
@@ -54,15 +54,17 @@ bool env_is(const char* name, const char* value) {
   return e != nullptr && std::strcmp(e, value) == 0;
 }
 
-// Dev switch: FLASHKDA_DECODE_KERNEL=per_request selects the per-request decode kernels instead of
-// the pipelined one (read once per process).
-bool decode_pipelined() {
-  static const bool pipelined = !env_is("FLASHKDA_DECODE_KERNEL", "per_request");
-  return pipelined;
+// Dev switch for A/B runs: FLASHKDA_DECODE_KERNEL=pipelined or =latency forces a decode kernel
+// (default: chosen by the call's size, see sm90::DecodeKernel).  Read on every call, so a test can
+// run both kernels in one process.
+sm90::DecodeKernel decode_kernel_choice() {
+  if (env_is("FLASHKDA_DECODE_KERNEL", "pipelined")) return sm90::DecodeKernel::kPipelined;
+  if (env_is("FLASHKDA_DECODE_KERNEL", "latency")) return sm90::DecodeKernel::kLatency;
+  return sm90::DecodeKernel::kAuto;
 }
 
-// Dev switch: FLASHKDA_DECODE_PDL=0 launches the pipelined decode kernel without programmatic
-// dependent launch.
+// Dev switch: FLASHKDA_DECODE_PDL=0 launches the decode kernels without programmatic dependent
+// launch.
 bool decode_pdl() {
   static const bool pdl = !env_is("FLASHKDA_DECODE_PDL", "0");
   return pdl;
@@ -102,8 +104,8 @@ Status cuda_device_supported(int device_index) {
 }
 
 // The workspace header holds kErrorWords int32 error words: the prefill kernels use word 0 (the host
-// clears the header before each prefill call), the pipelined decode kernel rewrites all of them on
-// every call (one per block, see kda_decode_pipelined.cuh).  The error is the first non-zero word.
+// clears the header before each prefill call), the decode kernels rewrite all of them on every call
+// (one per block, see write_decode_error_words in kda_decode_sm90.cuh).  The error is the first non-zero word.
 constexpr int kErrorWords = static_cast<int>(detail::kWorkspaceHeaderBytes / sizeof(int32_t));
 static_assert(kErrorWords == sm90::kDecodeErrorSlots, "the decode kernel's error words fill the header");
 
@@ -238,18 +240,18 @@ Status run_decode_cuda(const DecodeParams& p, const DecodeShape& shape, void* wo
         "flashkda: argument 'state_pool': expected a 16-byte aligned data pointer, got an unaligned one");
   }
   const bool f32 = p.state_pool.dtype == DType::kFloat32;
-  // The pipelined kernel rewrites every error word itself; the per-request kernels (and an empty
-  // call, which launches nothing) need the header cleared to report this call alone.
-  const bool pipelined = decode_pipelined();
-  if (!pipelined || a.N == 0 || a.H == 0) {
+  // The decode kernels rewrite every error word themselves; an empty call, which launches nothing,
+  // clears the header to report this call alone.
+  if (a.N == 0 || a.H == 0) {
     st = clear_device_error(workspace, stream);
     if (!st.ok()) return st;
   }
   if (a.N == 0 || a.H == 0) return Status::ok_status();
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const int sms = g_num_sms[p.q.device_index].load();
-  if (shape.K == 128) return sm90::launch_decode_d128(a, f32, pipelined, decode_pdl(), sms, s);
-  return sm90::launch_decode_d64(a, f32, pipelined, decode_pdl(), sms, s);
+  const sm90::DecodeKernel kernel = decode_kernel_choice();
+  if (shape.K == 128) return sm90::launch_decode_d128(a, f32, kernel, decode_pdl(), sms, s);
+  return sm90::launch_decode_d64(a, f32, kernel, decode_pdl(), sms, s);
 }
 
 }  // namespace detail

@@ -9,8 +9,8 @@
 namespace flashkda {
 namespace detail {
 
-// Workspace header: 1024 int32 device error words (the prefill kernels use word 0, the pipelined
-// decode kernel one per block; read_device_error reports the first non-zero one).
+// Workspace header: 1024 int32 device error words (the prefill kernels use word 0, the decode
+// kernels one per block; read_device_error reports the first non-zero one).
 constexpr size_t kWorkspaceHeaderBytes = 4096;
 constexpr int64_t kChunkTokens = 64;
 // Bytes of one chunk record (sm90::ChunkRecord<D>): W, QT, KD [C][D] bf16, UT [D][C] bf16,

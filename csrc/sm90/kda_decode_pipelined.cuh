@@ -1,7 +1,7 @@
 // decode_pipelined_kernel: the decode / speculative-decode path on a state pool (spec section 4)
-// as a persistent, warp-specialised pipeline.  Same math and layout as the per-request kernels of
-// kda_decode_sm90.cuh (kda_token_recurrence.cuh: each consumer thread holds 16 columns of two state
-// rows in registers); what changes is how the bytes move.
+// as a persistent, warp-specialised pipeline, for calls with many requests (few requests go to
+// kda_decode_latency.cuh).  Math and register layout: kda_token_recurrence.cuh (each consumer
+// thread holds 16 columns of two state rows in registers).
 //
 // Why: a decode step is a pure state stream (64 KB read + 64 KB written per request and head for
 // D = 128 fp32), so its speed is the number of state bytes in flight per SM.  One block per
@@ -51,7 +51,6 @@ namespace sm90 {
 // faster (perf-notes d6d: the stage count is not what bounds an item).
 constexpr int kStageTokens = 4;
 constexpr int kDecodeStages = 3;
-constexpr int kDecodeErrorSlots = 1024;  // error words; also the grid bound
 constexpr int kDecodeProducerWarp = kTokenWarps;
 constexpr int kDecodeCheckerWarp = kTokenWarps + 1;
 constexpr int kDecodePrepWarp = kTokenWarps + 2;
@@ -336,28 +335,6 @@ __device__ inline void stage_token_raw(const DecodeArgs& a, const DecodeStage<D,
   raw.beta = info.beta[t];
 }
 
-// Whether request n (valid, not padded) shares a pool row with another request (see
-// report_decode_conflicts); lanes of the calling warp split the other requests.
-__device__ inline bool decode_request_conflicts(const DecodeArgs& a, int64_t n, int lane) {
-  int64_t batch, bos, len, read = -1;
-  if (!decode_span(a, n, &batch, &bos, &len)) return false;
-  if (decode_read_slot(a, n, len, &read) != 0 || read < 0) return false;
-  bool conflict = false;
-  if (a.spec) {
-    for (int64_t e = lane; e < len * len; e += 32) {
-      const int64_t t1 = e / len, t2 = e % len;
-      if (t1 < t2) {
-        const int64_t w1 = slot_at(a, n, t1);
-        if (w1 >= 0 && w1 == slot_at(a, n, t2)) conflict = true;
-      }
-    }
-  }
-  for (int64_t m = lane; m < a.N; m += 32) {
-    if (m != n && decode_conflicts(a, n, len, read, m)) conflict = true;
-  }
-  return __any_sync(0xffffffffu, conflict);
-}
-
 template <int D, bool kF32>
 __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
     decode_pipelined_kernel(const DecodeArgs a, const int64_t total_items) {
@@ -541,10 +518,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
 
   // Every error word is rewritten by every call (see the header comment).
   __syncthreads();
-  if (tid == 0) {
-    for (int64_t w = blockIdx.x; w < kDecodeErrorSlots; w += G)
-      a.error_word[w] = w == blockIdx.x ? sm.err : 0;
-  }
+  if (tid == 0) write_decode_error_words(a, sm.err);
 }
 
 template <int D, bool kF32>

@@ -41,6 +41,18 @@ ERR_STATE_INDEX, ERR_TOKEN_ROW, ERR_ACCEPTED, ERR_SLOT_CONFLICT = 2, 3, 5, 6
 CUDA_BACKEND = {"backend": "cuda"} if "backend" in inspect.signature(flashkda.decode).parameters else {}
 
 
+@pytest.fixture(autouse=True, params=["auto", "pipelined"])
+def decode_kernel(request, monkeypatch):
+    """Every test runs twice: with the kernel the call's size selects (the latency kernel for the
+    small calls here, the pipelined one for the large), and with the pipelined kernel forced
+    (FLASHKDA_DECODE_KERNEL, a dev switch read on every call)."""
+    if request.param == "auto":
+        monkeypatch.delenv("FLASHKDA_DECODE_KERNEL", raising=False)
+    else:
+        monkeypatch.setenv("FLASHKDA_DECODE_KERNEL", request.param)
+    return request.param
+
+
 @pytest.fixture
 def gen():
     """A CPU generator with a fresh seed (failures report it as ``seed <n>``)."""
@@ -355,6 +367,23 @@ def test_spec_decode(gen, T, D, state_dtype):
     pool = new_pool(gen, P, H, D, state_dtype)
     idx, acc = spec_indices(gen, N, T, P)
     check_decode(gen, inp, pool, idx.to(DEV), acc.to(DEV))
+
+
+@pytest.mark.parametrize("state_dtype", [FP32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T", [1, 4, 6])
+@pytest.mark.parametrize("N,H,D", [(1, 16, 128), (12, 16, 128), (40, 16, 64)], ids=["r1", "r2-d128", "r2-d64"])
+def test_latency_kernel_slices(gen, N, H, D, T, state_dtype):
+    """The latency kernel's two slice widths (one state row per thread when its grid fits 1024
+    blocks, two rows for 8-15 requests of 16 heads at D = 128), plain (T = 1) and spec decode with one
+    token group (T = 4) and two (T = 6)."""
+    P = N * T + 5
+    inp = tokens(gen, N=N, T=T, H=H, D=D)
+    pool = new_pool(gen, P, H, D, state_dtype)
+    if T == 1:
+        check_decode(gen, inp, pool, perm(gen, P)[:N].to(DEV))
+    else:
+        idx, acc = spec_indices(gen, N, T, P)
+        check_decode(gen, inp, pool, idx.to(DEV), acc.to(DEV))
 
 
 @pytest.mark.parametrize("gate_mode", ["bounded", "softplus", "precomputed"])
