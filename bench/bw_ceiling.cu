@@ -11,6 +11,10 @@
 //               and stores them back in place (the decode pattern; loads of the next slice issued
 //               before the stores of this one)
 //   rmw-seq     the same on consecutive rows (pattern effect vs. random rows)
+//   tma-copy    persistent blocks move each slice by TMA: a bulk load into a 4-stage shared ring,
+//               then a bulk store of the stage back in place (the SM never touches the data)
+//   tma-rmw     the same with 4 warps scaling each stage in shared memory between the load and the
+//               store (a decode kernel that stores its state through shared memory by TMA)
 // Usage (sm_90 machine): nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a bench/bw_ceiling.cu
 //   -o /tmp/bw_ceiling && /tmp/bw_ceiling [N=256]
 #include <cuda_runtime.h>
@@ -76,6 +80,90 @@ __global__ void __launch_bounds__(kThreads) rmw_kernel(float* pool, const int* r
     for (int j = 0; j < kPer; ++j) cur[j] = nxt[j];
     p = q;
     item = next;
+  }
+}
+
+// ---- TMA variants: a single producer lane per block issues every bulk copy ----------------------
+constexpr int kTmaStages = 4;
+constexpr int kSliceBytes = kSliceFloats * 4;
+struct TmaSmem {
+  alignas(128) float buf[kTmaStages][kSliceFloats];
+  unsigned long long full[kTmaStages];  // the slice landed (TMA bytes)
+  unsigned long long done[kTmaStages];  // the 128 scaling threads are done with it
+};
+
+__device__ inline unsigned smem_u32(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+__device__ inline void mbar_wait(unsigned long long* bar, unsigned parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra "
+      "WAIT;\n}\n" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+__global__ void __launch_bounds__(160) rmw_tma_kernel(float* pool, const int* rows, int items, int touch) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  TmaSmem& sm = *reinterpret_cast<TmaSmem*>(smem_raw);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int G = gridDim.x;
+  const int mine = items > static_cast<int>(blockIdx.x) ? (items - blockIdx.x + G - 1) / G : 0;
+  auto src = [&](int k) {
+    const int item = blockIdx.x + k * G;
+    const int n = item / (kH * (kD / kSliceRows));
+    const int rem = item % (kH * (kD / kSliceRows));
+    return pool + (static_cast<size_t>(rows[n]) * kH * kD * kD + static_cast<size_t>(rem) * kSliceFloats);
+  };
+  if (tid == 0) {
+    for (int s = 0; s < kTmaStages; ++s) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_u32(&sm.full[s])) : "memory");
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 128;\n" ::"r"(smem_u32(&sm.done[s])) : "memory");
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  auto load = [&](int k) {
+    const int s = k % kTmaStages;
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(&sm.full[s])),
+                 "r"(kSliceBytes)
+                 : "memory");
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+            smem_u32(sm.buf[s])),
+        "l"(src(k)), "r"(kSliceBytes), "r"(smem_u32(&sm.full[s]))
+        : "memory");
+  };
+  if (warp == 4) {
+    if (lane == 0) {
+      for (int k = 0; k < kTmaStages && k < mine; ++k) load(k);
+      for (int k = 0; k < mine; ++k) {
+        const int s = k % kTmaStages;
+        mbar_wait(touch ? &sm.done[s] : &sm.full[s], (k / kTmaStages) & 1);
+        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(src(k)),
+                     "r"(smem_u32(sm.buf[s])), "r"(kSliceBytes)
+                     : "memory");
+        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+        // Refill the stage of item k - 1 once its store has read it (one store left in flight).
+        if (k >= 1 && k - 1 + kTmaStages < mine) {
+          asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory");
+          load(k - 1 + kTmaStages);
+        }
+      }
+      asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+    }
+  } else if (touch) {
+    for (int k = 0; k < mine; ++k) {
+      const int s = k % kTmaStages;
+      mbar_wait(&sm.full[s], (k / kTmaStages) & 1);
+      float4* b = reinterpret_cast<float4*>(sm.buf[s]);
+#pragma unroll
+      for (int j = 0; j < kSliceFloats / 4 / 128; ++j) {
+        float4 v = b[tid + j * 128];
+        v.x *= 0.999f, v.y *= 0.999f, v.z *= 0.999f, v.w *= 0.999f;
+        b[tid + j * 128] = v;
+      }
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // visible to the TMA store
+      asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(&sm.done[s])) : "memory");
+    }
   }
 }
 
@@ -150,6 +238,17 @@ int main(int argc, char** argv) {
       const float t = time_us([&] { rmw_kernel<<<grid, kThreads>>>(pool, rows, items); }, 20);
       std::printf("rmw-%s %2d/SM  %8.1f us  %5.2f TB/s  %5.1f%% of memcpy\n", r == 0 ? "rand" : "seq ",
                   per_sm, t, bytes_rw / t * 1e-6, 100.f * t_memcpy / t);
+    }
+  }
+  CHECK(cudaFuncSetAttribute(rmw_tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(sizeof(TmaSmem))));
+  for (int per_sm : {1, 2, 3}) {
+    const int grid = std::min(items, sms * per_sm);
+    for (int touch = 0; touch < 2; ++touch) {
+      const float t = time_us(
+          [&] { rmw_tma_kernel<<<grid, 160, sizeof(TmaSmem)>>>(pool, rows_rand, items, touch); }, 20);
+      std::printf("tma-%s %d/SM  %8.1f us  %5.2f TB/s  %5.1f%% of memcpy\n", touch ? "rmw " : "copy", per_sm, t,
+                  bytes_rw / t * 1e-6, 100.f * t_memcpy / t);
     }
   }
   CHECK(cudaGetLastError());

@@ -10,10 +10,12 @@
 #   MODE=full   the same with fla in the prefill benchmark and full repetitions (default)
 #   BENCHES="prefill decode" (default) selects the benchmarks; PYTEST_PATHS (default tests/python)
 #               narrows the GPU tests, e.g. PYTEST_PATHS=tests/python/test_gpu_decode.py BENCHES=decode
+#   TESTS=0     skips the record decoder and the GPU tests (benchmark-only calls)
 #   NCU=1       also Nsight Compute sections of both kernels; SANITIZE=0 skips compute-sanitizer
 #   DECODE_NCU=1  Nsight Compute sections of the decode kernel (N=256 plain and spec 1+3, fp32 pool)
 #   BW_CEILING=1  bench/bw_ceiling.cu: copy bandwidth vs. the decode pattern (16 KB slices read and
-#               written back in place at random pool rows) without any math
+#               written back in place at random pool rows) without any math, by loads/stores and by
+#               TMA; bench/latency_floor.cu: the per-launch floor of a batch-1 call in a graph
 #   DECODE_VARIANTS="FLASHKDA_DECODE_KERNEL=pipelined FLASHKDA_DECODE_PDL=0" also runs the decode
 #               benchmark (without fla) once per VAR=VALUE setting: bench_decode_<var>_<value>.json
 # Usage from the device tool (the device copy of the tree has no usable git history, so pass the
@@ -37,11 +39,13 @@ date -u
 t0=$(date +%s)
 python3 -m pip install --no-build-isolation --no-deps . > /tmp/build.log 2>&1 || { tail -60 /tmp/build.log; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
-python3 scripts/debug_records.py --T 130 --H 2
-python3 scripts/debug_records.py --T 200 --H 1 --gate softplus
-python3 scripts/debug_records.py --T 100 --H 1 --D 64
-# -m gpu: tests/python/test_gpu.py (prefill) and tests/python/test_gpu_decode.py (decode) among others
-timeout ${PYTEST_TIMEOUT:-300} python3 -m pytest -m gpu ${PYTEST_PATHS:-tests/python} -q -x --maxfail=3 -p no:cacheprovider ${PYTEST_ARGS:-}
+if [ "${TESTS:-1}" = 1 ]; then
+  python3 scripts/debug_records.py --T 130 --H 2
+  python3 scripts/debug_records.py --T 200 --H 1 --gate softplus
+  python3 scripts/debug_records.py --T 100 --H 1 --D 64
+  # -m gpu: tests/python/test_gpu.py (prefill) and tests/python/test_gpu_decode.py (decode) among others
+  timeout ${PYTEST_TIMEOUT:-300} python3 -m pytest -m gpu ${PYTEST_PATHS:-tests/python} -q -x --maxfail=3 -p no:cacheprovider ${PYTEST_ARGS:-}
+fi
 if [ "${SANITIZE:-1}" = 1 ]; then
   compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_case.py; echo "memcheck rc=$?"
   compute-sanitizer --tool racecheck --error-exitcode 9 python3 scripts/sanitize_case.py; echo "racecheck rc=$?"
@@ -58,9 +62,11 @@ if [ "${DECODE_NCU:-0}" = 1 ]; then  # the decode kernel at N=256 (plain, then s
       --section Occupancy --section WarpStateStats --section SchedulerStats python3 scripts/profile_decode.py 256 $t 2>&1 | tail -90
   done
 fi
-if [ "${BW_CEILING:-0}" = 1 ]; then  # the decode access pattern's own bandwidth ceiling (no KDA math)
+if [ "${BW_CEILING:-0}" = 1 ]; then  # the decode access pattern's own ceilings (no KDA math)
   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a bench/bw_ceiling.cu -o /tmp/bw_ceiling &&
     /tmp/bw_ceiling 256 && /tmp/bw_ceiling 64
+  nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a bench/latency_floor.cu -o /tmp/latency_floor &&
+    /tmp/latency_floor
 fi
 BENCHES=" ${BENCHES:-prefill decode} "
 if [[ "$BENCHES" == *" prefill "* ]]; then
