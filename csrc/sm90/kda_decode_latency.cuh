@@ -66,44 +66,135 @@ struct LatencySmem {
   int err;
 };
 
+// Loaded values are kept as raw bits until the state slice's loads are issued: a warp issues in
+// order and a use of a loaded value (even a bf16 -> fp32 shift or an int32 sign extension) stalls it
+// until the value is back, so a conversion placed before the state load would put that load's round
+// trip on the chain in front of it (measured at batch 1: four serial L2 round trips instead of two).
+struct IndexBits {
+  uint32_t lo, hi;  // hi: int64 indices only
+};
+__device__ inline IndexBits load_index_bits(const void* p, int is64, int64_t i) {
+  IndexBits b;
+  if (is64) {
+    const uint2 u = static_cast<const uint2*>(p)[i];
+    b.lo = u.x, b.hi = u.y;
+  } else {
+    b.lo = static_cast<const uint32_t*>(p)[i], b.hi = 0;
+  }
+  return b;
+}
+__device__ inline int64_t index_value(const IndexBits& b, int is64) {
+  return is64 ? static_cast<int64_t>((static_cast<uint64_t>(b.hi) << 32) | b.lo)
+              : static_cast<int64_t>(static_cast<int32_t>(b.lo));
+}
+
+__device__ inline float bf16_bits_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ inline float bf16_bits_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+
+// One token's raw inputs for one warp (the lane's D / 32 columns of q, k, g, and beta), as bits.
+template <int D>
+struct TokenBits {
+  static constexpr int PC = D / 32;
+  uint32_t q[PC / 2], k[PC / 2];  // bf16 pairs
+  uint32_t g[PC];                 // fp32 bits, or bf16 pairs in g[0 .. PC / 2)
+  uint32_t beta;                  // fp32 bits, or bf16 bits in the low half
+};
+
+template <int PC>
+__device__ inline void load_bf16_bits(const bf16* p, bool vec, uint32_t* w) {
+  if (vec) {
+    if constexpr (PC == 4) {
+      const uint2 u = *reinterpret_cast<const uint2*>(p);
+      w[0] = u.x, w[1] = u.y;
+    } else {
+      w[0] = *reinterpret_cast<const uint32_t*>(p);
+    }
+  } else {  // 2-byte aligned rows (rare): packed at once
+    const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
+#pragma unroll
+    for (int i = 0; i < PC / 2; ++i) w[i] = static_cast<uint32_t>(h[2 * i]) | (static_cast<uint32_t>(h[2 * i + 1]) << 16);
+  }
+}
+
+template <int D>
+__device__ inline void load_token_bits(const DecodeArgs& a, int64_t batch, int64_t row, int h, int lane,
+                                       TokenBits<D>& t) {
+  constexpr int PC = D / 32;
+  const int c0 = lane * PC;
+  load_bf16_bits<PC>(a.q + batch * a.q_sb + row * a.q_st + h * D + c0, a.vec_q, t.q);
+  load_bf16_bits<PC>(a.k + batch * a.k_sb + row * a.k_st + h * D + c0, a.vec_k, t.k);
+  const int64_t go = batch * a.g_sb + row * a.g_st + h * D + c0;
+  if (a.g_fp32) {
+    const uint32_t* g = static_cast<const uint32_t*>(a.g) + go;
+#pragma unroll
+    for (int i = 0; i < PC; ++i) t.g[i] = g[i];
+  } else {
+    load_bf16_bits<PC>(static_cast<const bf16*>(a.g) + go, a.vec_g, t.g);
+  }
+  const int64_t bo = batch * a.beta_sb + row * a.beta_st + h;
+  t.beta = a.beta_fp32 ? static_cast<const uint32_t*>(a.beta)[bo]
+                       : static_cast<uint32_t>(static_cast<const unsigned short*>(a.beta)[bo]);
+}
+
+template <int D>
+__device__ inline TokenRaw<D> token_from_bits(const DecodeArgs& a, const TokenBits<D>& t) {
+  constexpr int PC = D / 32;
+  TokenRaw<D> r;
+#pragma unroll
+  for (int i = 0; i < PC / 2; ++i) {
+    r.q[2 * i] = bf16_bits_lo(t.q[i]), r.q[2 * i + 1] = bf16_bits_hi(t.q[i]);
+    r.k[2 * i] = bf16_bits_lo(t.k[i]), r.k[2 * i + 1] = bf16_bits_hi(t.k[i]);
+  }
+  if (a.g_fp32) {
+#pragma unroll
+    for (int i = 0; i < PC; ++i) r.g[i] = __uint_as_float(t.g[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < PC / 2; ++i) r.g[2 * i] = bf16_bits_lo(t.g[i]), r.g[2 * i + 1] = bf16_bits_hi(t.g[i]);
+  }
+  r.beta = a.beta_fp32 ? __uint_as_float(t.beta) : bf16_bits_lo(t.beta);
+  return r;
+}
+
 // Issues the loads of tokens [c0, c0 + nt) of a request (nt <= kLatencyTokens): the value entries of
-// the thread's rows for all of them, and token c0 + warp's raw q, k, g, beta and write slot for this
-// warp to preprocess.  Rows are clamped (mapped_row) and write slots read only below S, so this stays
-// in bounds before the request's checks have passed.
+// the thread's rows for all of them, and token c0 + warp's q, k, g, beta and write slot for this warp
+// to preprocess, all as bits.  Rows are clamped (mapped_row) and write slots read only below S, so
+// this stays in bounds before the request's checks have passed.
 template <int D, int kR>
 __device__ inline void load_latency_group(const DecodeArgs& a, int64_t n, int64_t batch, int64_t bos, int64_t c0,
                                           int nt, int h, const int (&vrow)[kR], int warp, int lane,
-                                          TokenRaw<D>& raw, int64_t* my_row, int64_t* my_slot,
-                                          float (&vv)[kR][kLatencyTokens]) {
+                                          TokenBits<D>& bits, int64_t* my_row, IndexBits* my_slot,
+                                          uint32_t (&vb)[kR][kLatencyTokens]) {
   const int64_t col = static_cast<int64_t>(h) * D;
+  const unsigned short* v = reinterpret_cast<const unsigned short*>(a.v);
 #pragma unroll
   for (int t = 0; t < kLatencyTokens; ++t) {
     if (t < nt) {
       const int64_t base = batch * a.v_sb + mapped_row(a, bos + c0 + t) * a.v_st + col;
 #pragma unroll
-      for (int q = 0; q < kR; ++q) vv[q][t] = __bfloat162float(a.v[base + vrow[q]]);
+      for (int q = 0; q < kR; ++q) vb[q][t] = v[base + vrow[q]];
     }
   }
   *my_row = 0;
-  *my_slot = -1;
+  *my_slot = IndexBits{0xffffffffu, 0xffffffffu};  // -1 either way: no write
   if (warp < nt) {
     *my_row = mapped_row(a, bos + c0 + warp);
-    load_token<D>(a, batch, *my_row, h, lane, raw);
-    if (a.spec && c0 + warp < a.slots) *my_slot = slot_at(a, n, c0 + warp);
+    load_token_bits<D>(a, batch, *my_row, h, lane, bits);
+    if (a.spec && c0 + warp < a.slots) *my_slot = load_index_bits(a.idx, a.idx_int64, n * a.slots + c0 + warp);
   }
 }
 
 // Warp `warp` < nt preprocesses its token into the shared buffers (published by the caller's barrier).
 template <int D>
-__device__ inline void prep_latency_token(const DecodeArgs& a, const TokenRaw<D>& raw, float expA,
-                                          const float (&dtb)[D / 32], int64_t my_row, int64_t my_slot, int nt,
-                                          LatencySmem<D>& sm, int warp, int lane) {
+__device__ inline void prep_latency_token(const DecodeArgs& a, const TokenBits<D>& bits, float expA,
+                                          const float (&dtb)[D / 32], int64_t my_row, const IndexBits& my_slot,
+                                          int nt, LatencySmem<D>& sm, int warp, int lane) {
   if (warp >= nt) return;
-  const float bt = preprocess_token<D, true>(a, raw, expA, dtb, sm.tok[warp], lane);
+  const float bt = preprocess_token<D, true>(a, token_from_bits<D>(a, bits), expA, dtb, sm.tok[warp], lane);
   if (lane == 0) {
     sm.beta[warp] = bt;
     sm.row[warp] = my_row;
-    sm.slot[warp] = my_slot;
+    sm.slot[warp] = index_value(my_slot, a.idx_int64);
   }
 }
 
@@ -144,19 +235,34 @@ __global__ void __launch_bounds__(kLatencyThreads, 4)
     const int64_t out_col = static_cast<int64_t>(h) * D;
     StateT* pool = static_cast<StateT*>(a.pool);
 
-    // 1. What depends on n alone: the read slot's loads first (the chain to the state), the span.
-    const ReadSlotLoad rs = decode_read_slot_load(a, n);
+    // 1. Every load that depends on n alone, issued before any loaded value is used: the read
+    // slot's first load (plain: idx[n]; spec: num_accepted[n]), the gate parameters, the span and the
+    // first token group (bits).
+    const IndexBits first = a.spec ? load_index_bits(a.num_accepted, a.acc_int64, n)
+                                   : load_index_bits(a.idx, a.idx_int64, n);
+    const bool gated = a.gate_mode != kGatePrecomputed;
+    const float a_log = gated ? a.A_log[h] : 0.f;
+    float dtb[PC];
+#pragma unroll
+    for (int i = 0; i < PC; ++i) dtb[i] = gated ? a.dt_bias[h * D + lane * PC + i] : 0.f;
     int64_t batch, bos, len, read = -1;
     err = decode_span(a, n, &batch, &bos, &len) ? 0 : static_cast<int>(DeviceError::kBadCuSeqlens);
-    // 2. The first token group and the gate parameters, beside the read slot's round trips.
     int nt = static_cast<int>(len < kLatencyTokens ? len : kLatencyTokens);
-    TokenRaw<D> raw;
-    int64_t my_row, my_slot;
-    float vv[kR][kLatencyTokens];
-    load_latency_group<D, kR>(a, n, batch, bos, 0, nt, h, vrow, warp, lane, raw, &my_row, &my_slot, vv);
-    float expA, dtb[PC];
-    load_gate_params<D>(a, h, lane, &expA, dtb);
-    // 3. The state slice (clamped into the pool; used only if every check passes).
+    TokenBits<D> bits;
+    int64_t my_row;
+    IndexBits my_slot;
+    uint32_t vb[kR][kLatencyTokens];
+    load_latency_group<D, kR>(a, n, batch, bos, 0, nt, h, vrow, warp, lane, bits, &my_row, &my_slot, vb);
+    // 2. The read slot (spec: idx[n, acc - 1]), then the state slice (clamped into the pool; used
+    // only if every check passes).
+    ReadSlotLoad rs;
+    if (a.spec) {
+      rs.acc = index_value(first, a.acc_int64);
+      rs.slot = slot_at(a, n, rs.acc >= 1 && rs.acc <= a.slots ? rs.acc - 1 : 0);
+    } else {
+      rs.acc = 1;
+      rs.slot = index_value(first, a.idx_int64);
+    }
     if (err == 0) err = decode_read_slot_check(a, rs, len, &read);
     float s[kR][16];
     if (read >= 0) {
@@ -165,10 +271,11 @@ __global__ void __launch_bounds__(kLatencyThreads, 4)
       for (int q = 0; q < kR; ++q)
         load_state_row<D, kF32>(pool + (r * head_rows + out_col + vrow[q]) * D, j, s[q]);
     }
-    // 4. The request's other checks, split over the block, and the first group's preprocessing;
-    // one barrier publishes both.
+    // 3. While the state is in flight: the request's other checks, split over the block, and the
+    // first group's preprocessing; one barrier publishes both.
     if (err == 0) err = decode_entries_error(a, n, bos, len, tid, kLatencyThreads);
-    prep_latency_token<D>(a, raw, expA, dtb, my_row, my_slot, nt, sm, warp, lane);
+    const float expA = gated ? expf(a_log) : 0.f;
+    prep_latency_token<D>(a, bits, expA, dtb, my_row, my_slot, nt, sm, warp, lane);
     const bool bad = __syncthreads_or(err != 0) != 0;  // block-uniform: a bad request writes nothing
 
     if (!bad && read < 0) {  // padded request: zero its outputs, touch no state
@@ -183,11 +290,11 @@ __global__ void __launch_bounds__(kLatencyThreads, 4)
       // 5. The tokens, a group at a time; the state stays in registers.
       for (int64_t c0 = 0;;) {
 #pragma unroll
-        for (int t = 0; t < kLatencyTokens; ++t) {  // unrolled: vv stays in registers
+        for (int t = 0; t < kLatencyTokens; ++t) {  // unrolled: vb stays in registers
           if (t >= nt) break;
           float vt[kR], o[kR];
 #pragma unroll
-          for (int q = 0; q < kR; ++q) vt[q] = vv[q][t];
+          for (int q = 0; q < kR; ++q) vt[q] = bf16_bits_lo(vb[q][t]);
           advance_rows<D, kR>(s, sm.tok[t], j, sm.beta[t], vt, o);
           bf16* orow = a.out + batch * a.out_sb + sm.row[t] * a.out_st + out_col;
           const int64_t w = sm.slot[t];
@@ -202,8 +309,8 @@ __global__ void __launch_bounds__(kLatencyThreads, 4)
         // Requests longer than a group (long spec drafts, varlen): the next group, one round trip.
         __syncthreads();  // the buffers are rewritten
         nt = static_cast<int>(len - c0 < kLatencyTokens ? len - c0 : kLatencyTokens);
-        load_latency_group<D, kR>(a, n, batch, bos, c0, nt, h, vrow, warp, lane, raw, &my_row, &my_slot, vv);
-        prep_latency_token<D>(a, raw, expA, dtb, my_row, my_slot, nt, sm, warp, lane);
+        load_latency_group<D, kR>(a, n, batch, bos, c0, nt, h, vrow, warp, lane, bits, &my_row, &my_slot, vb);
+        prep_latency_token<D>(a, bits, expA, dtb, my_row, my_slot, nt, sm, warp, lane);
         __syncthreads();
       }
       if (!a.spec) {
