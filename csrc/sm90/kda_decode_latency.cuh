@@ -64,6 +64,7 @@ struct LatencySmem {
   int64_t row[kLatencyTokens];   // input/output row of the token
   int64_t slot[kLatencyTokens];  // spec: its write slot (-1: none)
   int err;
+  uint32_t param_touch;  // touch_decode_params' sum (never read)
 };
 
 // Loaded values are kept as raw bits until the state slice's loads are issued: a warp issues in
@@ -200,13 +201,16 @@ __device__ inline void prep_latency_token(const DecodeArgs& a, const TokenBits<D
 
 template <int D, bool kF32, int kR>
 __global__ void __launch_bounds__(kLatencyThreads, 4)
-    decode_latency_kernel(const DecodeArgs a, const int64_t state_blocks) {
+    decode_latency_kernel(const __grid_constant__ DecodeArgs a, const int64_t state_blocks) {
   using L = LatencyLayout<D, kR>;
   using StateT = typename std::conditional<kF32, float, bf16>::type;
   constexpr int PC = D / 32;
   __shared__ __align__(16) LatencySmem<D> sm;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  if (tid == 0) sm.err = 0;
+  if (tid == 0) {
+    sm.err = 0;
+    *reinterpret_cast<volatile uint32_t*>(&sm.param_touch) = touch_decode_params(a);
+  }
   __syncthreads();
   // Programmatic dependent launch: wait for the previous kernel (its writes visible) before any global
   // access, then let the next kernel start its blocks into the free slots.

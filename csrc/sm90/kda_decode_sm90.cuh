@@ -171,6 +171,20 @@ __device__ inline bool decode_request_conflicts(const DecodeArgs& a, int64_t n, 
   return __any_sync(0xffffffffu, conflict);
 }
 
+// Touches every 32 bytes of the kernel's parameter block (the DecodeArgs of a __grid_constant__
+// parameter), called by one thread per block before griddepcontrol.wait.  Each launch has its own
+// parameter buffer, so every first use of a field's constant-cache line is a miss (ncu at batch 1:
+// 10-15% of the stall samples, "imc", spread along the chain); touched together here, the misses
+// overlap each other and the previous kernel's tail.  The caller stores the returned sum to a
+// volatile shared word, so the loads are not removed.
+__device__ inline uint32_t touch_decode_params(const DecodeArgs& a) {
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(&a);
+  uint32_t x = 0;
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(DecodeArgs) / 4); i += 8) x += w[i];
+  return x;
+}
+
 // Error words of the decode kernels: the workspace header's kDecodeErrorSlots int32 words.  Every
 // call rewrites all of them (block b: word b its code, words b + G, b + 2G, ... zero, G <= the word
 // count), so no clearing memset precedes a decode kernel and read_device_error reports exactly the
