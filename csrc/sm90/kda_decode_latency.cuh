@@ -50,14 +50,11 @@ struct LatencyLayout {
   __device__ static int row(int slice, int r, int warp, int lane) {
     return slice * kRowsPerBlock + r * (kRowsPerBlock / kR) + warp * kRowsPerWarp + lane / kLanesPerRow;
   }
-  // Work items (one per request, head and slice), checker blocks (one per 4 requests, at most 64:
-  // each warp then walks several requests), and the grid with one state block per item.
+  // Blocks of a call: the state blocks, then one checker block per 4 requests.
   static int64_t state_blocks(int64_t N, int64_t H) { return N * H * kSlices; }
-  static int64_t checker_blocks(int64_t N) {
-    const int64_t c = (N + kLatencyWarps - 1) / kLatencyWarps;
-    return c < 64 ? c : 64;
+  static int64_t grid(int64_t N, int64_t H) {
+    return state_blocks(N, H) + (N + kLatencyWarps - 1) / kLatencyWarps;
   }
-  static int64_t grid(int64_t N, int64_t H) { return state_blocks(N, H) + checker_blocks(N); }
 };
 
 template <int D>
@@ -164,11 +161,9 @@ __device__ inline TokenRaw<D> token_from_bits(const DecodeArgs& a, const TokenBi
 // the thread's rows for all of them, and token c0 + warp's q, k, g, beta and write slot for this warp
 // to preprocess, all as bits.  Rows are clamped (mapped_row) and write slots read only below S, so
 // this stays in bounds before the request's checks have passed.
-// `own`: a one-token request; every warp loads (and later preprocesses) that token itself, so no
-// warp waits for another at a block barrier.
 template <int D, int kR>
 __device__ inline void load_latency_group(const DecodeArgs& a, int64_t n, int64_t batch, int64_t bos, int64_t c0,
-                                          int nt, bool own, int h, const int (&vrow)[kR], int warp, int lane,
+                                          int nt, int h, const int (&vrow)[kR], int warp, int lane,
                                           TokenBits<D>& bits, int64_t* my_row, IndexBits* my_slot,
                                           uint32_t (&vb)[kR][kLatencyTokens]) {
   const int64_t col = static_cast<int64_t>(h) * D;
@@ -183,21 +178,19 @@ __device__ inline void load_latency_group(const DecodeArgs& a, int64_t n, int64_
   }
   *my_row = 0;
   *my_slot = IndexBits{0xffffffffu, 0xffffffffu};  // -1 either way: no write
-  const int t = own ? 0 : warp;
-  if (t < nt) {
-    *my_row = mapped_row(a, bos + c0 + t);
+  if (warp < nt) {
+    *my_row = mapped_row(a, bos + c0 + warp);
     load_token_bits<D>(a, batch, *my_row, h, lane, bits);
-    if (a.spec && c0 + t < a.slots) *my_slot = load_index_bits(a.idx, a.idx_int64, n * a.slots + c0 + t);
+    if (a.spec && c0 + warp < a.slots) *my_slot = load_index_bits(a.idx, a.idx_int64, n * a.slots + c0 + warp);
   }
 }
 
-// Warp `warp` < nt (every warp when `own`) preprocesses its token into buffer `warp` (published by
-// the caller's barrier, or its own __syncwarp when `own`).
+// Warp `warp` < nt preprocesses its token into the shared buffers (published by the caller's barrier).
 template <int D>
 __device__ inline void prep_latency_token(const DecodeArgs& a, const TokenBits<D>& bits, float expA,
                                           const float (&dtb)[D / 32], int64_t my_row, const IndexBits& my_slot,
-                                          int nt, bool own, LatencySmem<D>& sm, int warp, int lane) {
-  if (!own && warp >= nt) return;
+                                          int nt, LatencySmem<D>& sm, int warp, int lane) {
+  if (warp >= nt) return;
   const float bt = preprocess_token<D, true>(a, token_from_bits<D>(a, bits), expA, dtb, sm.tok[warp], lane);
   if (lane == 0) {
     sm.beta[warp] = bt;
@@ -206,126 +199,12 @@ __device__ inline void prep_latency_token(const DecodeArgs& a, const TokenBits<D
   }
 }
 
-// One work item of a state block: request n, head h, row slice (see the header comment); returns
-// 0 or the request's DeviceError code (then nothing was written).  Reached by all threads of the
-// block (block-uniform control flow: everything below depends on the item alone).
 template <int D, bool kF32, int kR>
-__device__ inline int latency_item(const DecodeArgs& a, int64_t item, LatencySmem<D>& sm, int tid, int lane,
-                                   int warp) {
+__global__ void __launch_bounds__(kLatencyThreads, 4)
+    decode_latency_kernel(const __grid_constant__ DecodeArgs a, const int64_t state_blocks) {
   using L = LatencyLayout<D, kR>;
   using StateT = typename std::conditional<kF32, float, bf16>::type;
   constexpr int PC = D / 32;
-  const int64_t per_request = static_cast<int64_t>(a.H) * L::kSlices;
-  const int64_t n = item / per_request;
-  const int h = static_cast<int>((item % per_request) / L::kSlices);
-  const int slice = static_cast<int>(item % L::kSlices);
-  int vrow[kR];
-#pragma unroll
-  for (int q = 0; q < kR; ++q) vrow[q] = L::row(slice, q, warp, lane);
-  const int j = lane % L::kLanesPerRow;
-  const int64_t head_rows = static_cast<int64_t>(a.H) * D;  // state rows per pool row
-  const int64_t out_col = static_cast<int64_t>(h) * D;
-  StateT* pool = static_cast<StateT*>(a.pool);
-
-  // 1. Every load that depends on n alone, issued before any loaded value is used: the read slot's
-  // first load (plain: idx[n]; spec: num_accepted[n]), the gate parameters, the span and the first
-  // token group (bits).
-  const IndexBits first = a.spec ? load_index_bits(a.num_accepted, a.acc_int64, n)
-                                 : load_index_bits(a.idx, a.idx_int64, n);
-  const bool gated = a.gate_mode != kGatePrecomputed;
-  const float a_log = gated ? a.A_log[h] : 0.f;
-  float dtb[PC];
-#pragma unroll
-  for (int i = 0; i < PC; ++i) dtb[i] = gated ? a.dt_bias[h * D + lane * PC + i] : 0.f;
-  int64_t batch, bos, len, read = -1;
-  int err = decode_span(a, n, &batch, &bos, &len) ? 0 : static_cast<int>(DeviceError::kBadCuSeqlens);
-  int nt = static_cast<int>(len < kLatencyTokens ? len : kLatencyTokens);
-  const bool own = len == 1;  // one token: every warp preprocesses it and checks the request itself
-  TokenBits<D> bits;
-  int64_t my_row;
-  IndexBits my_slot;
-  uint32_t vb[kR][kLatencyTokens];
-  load_latency_group<D, kR>(a, n, batch, bos, 0, nt, own, h, vrow, warp, lane, bits, &my_row, &my_slot, vb);
-  // 2. The read slot (spec: idx[n, acc - 1]), then the state slice (clamped into the pool; used only
-  // if every check passes).
-  ReadSlotLoad rs;
-  if (a.spec) {
-    rs.acc = index_value(first, a.acc_int64);
-    rs.slot = slot_at(a, n, rs.acc >= 1 && rs.acc <= a.slots ? rs.acc - 1 : 0);
-  } else {
-    rs.acc = 1;
-    rs.slot = index_value(first, a.idx_int64);
-  }
-  if (err == 0) err = decode_read_slot_check(a, rs, len, &read);
-  float s[kR][16];
-  if (read >= 0) {
-    const int64_t r = read < a.pool_rows ? read : a.pool_rows - 1;
-#pragma unroll
-    for (int q = 0; q < kR; ++q) load_state_row<D, kF32>(pool + (r * head_rows + out_col + vrow[q]) * D, j, s[q]);
-  }
-  // 3. While the state is in flight: the request's other checks and the first group's
-  // preprocessing, published by one block barrier, or (one token) each warp's own.
-  if (err == 0) err = own ? decode_entries_error(a, n, bos, len, lane, 32)
-                          : decode_entries_error(a, n, bos, len, tid, kLatencyThreads);
-  const float expA = gated ? expf(a_log) : 0.f;
-  prep_latency_token<D>(a, bits, expA, dtb, my_row, my_slot, nt, own, sm, warp, lane);
-  bool bad;  // uniform over the block: a bad request writes nothing
-  if (own) {
-    bad = __any_sync(0xffffffffu, err != 0);
-    __syncwarp();
-  } else {
-    bad = __syncthreads_or(err != 0) != 0;
-  }
-
-  if (!bad && read < 0) {  // padded request: zero its outputs, touch no state
-    if (j == 0) {
-      for (int64_t t = 0; t < len; ++t) {
-        bf16* o = a.out + batch * a.out_sb + mapped_row(a, bos + t) * a.out_st + out_col;
-#pragma unroll
-        for (int q = 0; q < kR; ++q) o[vrow[q]] = __float2bfloat16_rn(0.f);
-      }
-    }
-  } else if (!bad && len > 0) {
-    // 4. The tokens, a group at a time; the state stays in registers.
-    for (int64_t c0 = 0;;) {
-#pragma unroll
-      for (int t = 0; t < kLatencyTokens; ++t) {  // unrolled: vb stays in registers
-        if (t >= nt) break;
-        const int buf = own ? warp : t;
-        float vt[kR], o[kR];
-#pragma unroll
-        for (int q = 0; q < kR; ++q) vt[q] = bf16_bits_lo(vb[q][t]);
-        advance_rows<D, kR>(s, sm.tok[buf], j, sm.beta[buf], vt, o);
-        bf16* orow = a.out + batch * a.out_sb + sm.row[buf] * a.out_st + out_col;
-        const int64_t w = sm.slot[buf];
-#pragma unroll
-        for (int q = 0; q < kR; ++q) {
-          if (j == 0) orow[vrow[q]] = __float2bfloat16_rn(o[q]);
-          if (w >= 0) store_state_row<D, kF32>(pool + (w * head_rows + out_col + vrow[q]) * D, j, s[q]);
-        }
-      }
-      c0 += nt;
-      if (c0 >= len) break;
-      // Requests longer than a group (long spec drafts, varlen): the next group, one round trip.
-      __syncthreads();  // the buffers are rewritten
-      nt = static_cast<int>(len - c0 < kLatencyTokens ? len - c0 : kLatencyTokens);
-      load_latency_group<D, kR>(a, n, batch, bos, c0, nt, false, h, vrow, warp, lane, bits, &my_row, &my_slot, vb);
-      prep_latency_token<D>(a, bits, expA, dtb, my_row, my_slot, nt, false, sm, warp, lane);
-      __syncthreads();
-    }
-    if (!a.spec) {
-#pragma unroll
-      for (int q = 0; q < kR; ++q)
-        store_state_row<D, kF32>(pool + (read * head_rows + out_col + vrow[q]) * D, j, s[q]);
-    }
-  }
-  return err;
-}
-
-template <int D, bool kF32, int kR>
-__global__ void __launch_bounds__(kLatencyThreads, 4)
-    decode_latency_kernel(const __grid_constant__ DecodeArgs a, const int64_t state_items,
-                          const int64_t state_blocks) {
   __shared__ __align__(16) LatencySmem<D> sm;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (tid == 0) {
@@ -347,11 +226,102 @@ __global__ void __launch_bounds__(kLatencyThreads, 4)
       if (decode_request_conflicts(a, n, lane)) err = static_cast<int>(DeviceError::kStateSlotConflict);
     }
   } else {
-    // ---------------------------------------------------------------- state block: items b, b + G, ...
-    for (int64_t item = b; item < state_items; item += state_blocks) {
-      const int e = latency_item<D, kF32, kR>(a, item, sm, tid, lane, warp);
-      if (err == 0) err = e;
-      __syncthreads();  // the token buffers are rewritten by the next item
+    // ---------------------------------------------------------------- state block
+    const int64_t per_request = static_cast<int64_t>(a.H) * L::kSlices;
+    const int64_t n = b / per_request;
+    const int h = static_cast<int>((b % per_request) / L::kSlices);
+    const int slice = static_cast<int>(b % L::kSlices);
+    int vrow[kR];
+#pragma unroll
+    for (int q = 0; q < kR; ++q) vrow[q] = L::row(slice, q, warp, lane);
+    const int j = lane % L::kLanesPerRow;
+    const int64_t head_rows = static_cast<int64_t>(a.H) * D;  // state rows per pool row
+    const int64_t out_col = static_cast<int64_t>(h) * D;
+    StateT* pool = static_cast<StateT*>(a.pool);
+
+    // 1. Every load that depends on n alone, issued before any loaded value is used: the read
+    // slot's first load (plain: idx[n]; spec: num_accepted[n]), the gate parameters, the span and the
+    // first token group (bits).
+    const IndexBits first = a.spec ? load_index_bits(a.num_accepted, a.acc_int64, n)
+                                   : load_index_bits(a.idx, a.idx_int64, n);
+    const bool gated = a.gate_mode != kGatePrecomputed;
+    const float a_log = gated ? a.A_log[h] : 0.f;
+    float dtb[PC];
+#pragma unroll
+    for (int i = 0; i < PC; ++i) dtb[i] = gated ? a.dt_bias[h * D + lane * PC + i] : 0.f;
+    int64_t batch, bos, len, read = -1;
+    err = decode_span(a, n, &batch, &bos, &len) ? 0 : static_cast<int>(DeviceError::kBadCuSeqlens);
+    int nt = static_cast<int>(len < kLatencyTokens ? len : kLatencyTokens);
+    TokenBits<D> bits;
+    int64_t my_row;
+    IndexBits my_slot;
+    uint32_t vb[kR][kLatencyTokens];
+    load_latency_group<D, kR>(a, n, batch, bos, 0, nt, h, vrow, warp, lane, bits, &my_row, &my_slot, vb);
+    // 2. The read slot (spec: idx[n, acc - 1]), then the state slice (clamped into the pool; used
+    // only if every check passes).
+    ReadSlotLoad rs;
+    if (a.spec) {
+      rs.acc = index_value(first, a.acc_int64);
+      rs.slot = slot_at(a, n, rs.acc >= 1 && rs.acc <= a.slots ? rs.acc - 1 : 0);
+    } else {
+      rs.acc = 1;
+      rs.slot = index_value(first, a.idx_int64);
+    }
+    if (err == 0) err = decode_read_slot_check(a, rs, len, &read);
+    float s[kR][16];
+    if (read >= 0) {
+      const int64_t r = read < a.pool_rows ? read : a.pool_rows - 1;
+#pragma unroll
+      for (int q = 0; q < kR; ++q)
+        load_state_row<D, kF32>(pool + (r * head_rows + out_col + vrow[q]) * D, j, s[q]);
+    }
+    // 3. While the state is in flight: the request's other checks, split over the block, and the
+    // first group's preprocessing; one barrier publishes both.
+    if (err == 0) err = decode_entries_error(a, n, bos, len, tid, kLatencyThreads);
+    const float expA = gated ? expf(a_log) : 0.f;
+    prep_latency_token<D>(a, bits, expA, dtb, my_row, my_slot, nt, sm, warp, lane);
+    const bool bad = __syncthreads_or(err != 0) != 0;  // block-uniform: a bad request writes nothing
+
+    if (!bad && read < 0) {  // padded request: zero its outputs, touch no state
+      if (j == 0) {
+        for (int64_t t = 0; t < len; ++t) {
+          bf16* o = a.out + batch * a.out_sb + mapped_row(a, bos + t) * a.out_st + out_col;
+#pragma unroll
+          for (int q = 0; q < kR; ++q) o[vrow[q]] = __float2bfloat16_rn(0.f);
+        }
+      }
+    } else if (!bad && len > 0) {
+      // 5. The tokens, a group at a time; the state stays in registers.
+      for (int64_t c0 = 0;;) {
+#pragma unroll
+        for (int t = 0; t < kLatencyTokens; ++t) {  // unrolled: vb stays in registers
+          if (t >= nt) break;
+          float vt[kR], o[kR];
+#pragma unroll
+          for (int q = 0; q < kR; ++q) vt[q] = bf16_bits_lo(vb[q][t]);
+          advance_rows<D, kR>(s, sm.tok[t], j, sm.beta[t], vt, o);
+          bf16* orow = a.out + batch * a.out_sb + sm.row[t] * a.out_st + out_col;
+          const int64_t w = sm.slot[t];
+#pragma unroll
+          for (int q = 0; q < kR; ++q) {
+            if (j == 0) orow[vrow[q]] = __float2bfloat16_rn(o[q]);
+            if (w >= 0) store_state_row<D, kF32>(pool + (w * head_rows + out_col + vrow[q]) * D, j, s[q]);
+          }
+        }
+        c0 += nt;
+        if (c0 >= len) break;
+        // Requests longer than a group (long spec drafts, varlen): the next group, one round trip.
+        __syncthreads();  // the buffers are rewritten
+        nt = static_cast<int>(len - c0 < kLatencyTokens ? len - c0 : kLatencyTokens);
+        load_latency_group<D, kR>(a, n, batch, bos, c0, nt, h, vrow, warp, lane, bits, &my_row, &my_slot, vb);
+        prep_latency_token<D>(a, bits, expA, dtb, my_row, my_slot, nt, sm, warp, lane);
+        __syncthreads();
+      }
+      if (!a.spec) {
+#pragma unroll
+        for (int q = 0; q < kR; ++q)
+          store_state_row<D, kF32>(pool + (read * head_rows + out_col + vrow[q]) * D, j, s[q]);
+      }
     }
   }
 
@@ -360,15 +330,13 @@ __global__ void __launch_bounds__(kLatencyThreads, 4)
   if (tid == 0) write_decode_error_words(a, sm.err);
 }
 
-// Launches the latency kernel with kR rows per thread on `state_blocks` state blocks (each walking
-// items b, b + state_blocks, ...) plus the checker blocks; the grid is at most kDecodeErrorSlots
-// blocks (every block owns an error word).
+// Launches the latency kernel with kR rows per thread; the caller checked that the grid fits
+// (LatencyLayout::grid <= kDecodeErrorSlots: every block owns an error word).
 template <int D, bool kF32, int kR>
-Status launch_decode_latency(const DecodeArgs& a, int64_t state_blocks, bool pdl, cudaStream_t stream) {
+Status launch_decode_latency(const DecodeArgs& a, bool pdl, cudaStream_t stream) {
   using L = LatencyLayout<D, kR>;
-  const int64_t items = L::state_blocks(a.N, a.H);
-  const int64_t grid = state_blocks + L::checker_blocks(a.N);
-  if (state_blocks < 1 || state_blocks > items || grid > kDecodeErrorSlots) {
+  const int64_t grid = L::grid(a.N, a.H);
+  if (grid < 1 || grid > kDecodeErrorSlots) {
     return Status::invalid("flashkda: decode latency kernel: expected at most " +
                            std::to_string(kDecodeErrorSlots) + " blocks, got " + std::to_string(grid));
   }
@@ -382,33 +350,27 @@ Status launch_decode_latency(const DecodeArgs& a, int64_t state_blocks, bool pdl
   attr[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  return cuda_status(cudaLaunchKernelEx(&cfg, decode_latency_kernel<D, kF32, kR>, a, items, state_blocks),
-                     "decode_latency_kernel launch");
+  return cuda_status(
+      cudaLaunchKernelEx(&cfg, decode_latency_kernel<D, kF32, kR>, a, L::state_blocks(a.N, a.H)),
+      "decode_latency_kernel launch");
 }
 
-// Kernel choice and launch for one head dim and state dtype (see DecodeKernel).  Auto: the latency
-// kernel when one block per item fits the error words (16-row items, else 32-row ones: batch <= 15
-// at H16), else the pipelined kernel.  Forced latency: any call; past that bound, 32-row items on
-// at most kLatencyBlocksPerSm blocks per SM (and the error-word bound), each block walking several.
-constexpr int kLatencyBlocksPerSm = 4;  // __launch_bounds__(128, 4)
+// The latency kernel's row-per-thread count for this call: 1 (the finest slices) when its grid fits,
+// else 2, else 0 (too many requests: the pipelined kernel).
+template <int D>
+int latency_rows_per_thread(const DecodeArgs& a) {
+  if (LatencyLayout<D, 1>::grid(a.N, a.H) <= kDecodeErrorSlots) return 1;
+  if (LatencyLayout<D, 2>::grid(a.N, a.H) <= kDecodeErrorSlots) return 2;
+  return 0;
+}
+
+// Kernel choice and launch for one head dim and state dtype (see DecodeKernel).
 template <int D, bool kF32>
 Status launch_decode_kernel(const DecodeArgs& a, DecodeKernel kernel, bool pdl, int num_sms,
                             cudaStream_t stream) {
-  using L1 = LatencyLayout<D, 1>;
-  using L2 = LatencyLayout<D, 2>;
-  if (kernel != DecodeKernel::kPipelined) {
-    if (L1::grid(a.N, a.H) <= kDecodeErrorSlots)
-      return launch_decode_latency<D, kF32, 1>(a, L1::state_blocks(a.N, a.H), pdl, stream);
-    if (L2::grid(a.N, a.H) <= kDecodeErrorSlots)
-      return launch_decode_latency<D, kF32, 2>(a, L2::state_blocks(a.N, a.H), pdl, stream);
-  }
-  if (kernel == DecodeKernel::kLatency) {
-    int64_t blocks = L2::state_blocks(a.N, a.H);
-    const int64_t resident = static_cast<int64_t>(num_sms) * kLatencyBlocksPerSm;
-    if (blocks > resident) blocks = resident;
-    if (blocks > kDecodeErrorSlots - L2::checker_blocks(a.N)) blocks = kDecodeErrorSlots - L2::checker_blocks(a.N);
-    return launch_decode_latency<D, kF32, 2>(a, blocks, pdl, stream);
-  }
+  const int rows = kernel == DecodeKernel::kPipelined ? 0 : latency_rows_per_thread<D>(a);
+  if (rows == 1) return launch_decode_latency<D, kF32, 1>(a, pdl, stream);
+  if (rows == 2) return launch_decode_latency<D, kF32, 2>(a, pdl, stream);
   return launch_decode_pipelined<D, kF32>(a, num_sms, pdl, stream);
 }
 

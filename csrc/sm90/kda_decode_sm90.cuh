@@ -196,9 +196,9 @@ __device__ inline void write_decode_error_words(const DecodeArgs& a, int code) {
 }
 
 // Which decode kernel runs a call.  kAuto: the latency kernel (kda_decode_latency.cuh) when the
-// call fits its one-block-per-item grid (few requests: a chain of round trips, not a stream), else
-// the pipelined kernel (kda_decode_pipelined.cuh).  The others force one (dev switch for A/B runs and
-// tests; a forced latency kernel walks several items per block when the call is large).
+// call fits its one-wave grid (few requests: a chain of round trips, not a stream), else the
+// pipelined kernel (kda_decode_pipelined.cuh).  The others force one (dev switch for A/B runs; a
+// forced latency kernel falls back to the pipelined one when the call does not fit).
 enum class DecodeKernel { kAuto, kPipelined, kLatency };
 
 // Explicit instantiations live in kda_decode_sm90_d{64,128}.cu (fp32 and bf16 pools each).  Both

@@ -41,12 +41,15 @@ ERR_STATE_INDEX, ERR_TOKEN_ROW, ERR_ACCEPTED, ERR_SLOT_CONFLICT = 2, 3, 5, 6
 CUDA_BACKEND = {"backend": "cuda"} if "backend" in inspect.signature(flashkda.decode).parameters else {}
 
 
-@pytest.fixture(autouse=True, params=["latency", "pipelined"])
+@pytest.fixture(autouse=True, params=["auto", "pipelined"])
 def decode_kernel(request, monkeypatch):
-    """Every test runs under both decode kernels, forced by FLASHKDA_DECODE_KERNEL (a dev switch read
-    on every call; by default the call's size picks one): the latency kernel (one block per item for
-    small calls, several items per block for large ones) and the pipelined kernel."""
-    monkeypatch.setenv("FLASHKDA_DECODE_KERNEL", request.param)
+    """Every test runs twice: with the kernel the call's size selects (the latency kernel for the
+    small calls here, the pipelined one for the large), and with the pipelined kernel forced
+    (FLASHKDA_DECODE_KERNEL, a dev switch read on every call)."""
+    if request.param == "auto":
+        monkeypatch.delenv("FLASHKDA_DECODE_KERNEL", raising=False)
+    else:
+        monkeypatch.setenv("FLASHKDA_DECODE_KERNEL", request.param)
     return request.param
 
 
