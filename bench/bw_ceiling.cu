@@ -92,7 +92,9 @@ struct TmaSmem {
   unsigned long long done[kTmaStages];  // the 128 scaling threads are done with it
 };
 
-__device__ inline unsigned smem_u32(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+__device__ inline unsigned smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
 __device__ inline void mbar_wait(unsigned long long* bar, unsigned parity) {
   asm volatile(
       "{\n .reg .pred p;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra "
@@ -245,10 +247,10 @@ int main(int argc, char** argv) {
   for (int per_sm : {1, 2, 3}) {
     const int grid = std::min(items, sms * per_sm);
     for (int touch = 0; touch < 2; ++touch) {
-      const float t = time_us(
-          [&] { rmw_tma_kernel<<<grid, 160, sizeof(TmaSmem)>>>(pool, rows_rand, items, touch); }, 20);
-      std::printf("tma-%s %d/SM  %8.1f us  %5.2f TB/s  %5.1f%% of memcpy\n", touch ? "rmw " : "copy", per_sm, t,
-                  bytes_rw / t * 1e-6, 100.f * t_memcpy / t);
+      const float t =
+          time_us([&] { rmw_tma_kernel<<<grid, 160, sizeof(TmaSmem)>>>(pool, rows_rand, items, touch); }, 20);
+      std::printf("tma-%s %d/SM  %8.1f us  %5.2f TB/s  %5.1f%% of memcpy\n", touch ? "rmw " : "copy", per_sm,
+                  t, bytes_rw / t * 1e-6, 100.f * t_memcpy / t);
     }
   }
   CHECK(cudaGetLastError());

@@ -114,8 +114,10 @@ int main() {
   CHECK(cudaMemcpy(idx, &row, sizeof(int), cudaMemcpyHostToDevice));
   std::printf("%s: per launch, %d launches back to back in one graph, %d blocks x %d threads\n", prop.name,
               kCalls, kBlocks, kThreads);
-  std::printf("empty           %6.2f us\n", graph_us([&](cudaStream_t s) { launch(s, false, empty_kernel, 0); }));
-  std::printf("empty+pdl       %6.2f us\n", graph_us([&](cudaStream_t s) { launch(s, true, empty_kernel, 1); }));
+  std::printf("empty           %6.2f us\n",
+              graph_us([&](cudaStream_t s) { launch(s, false, empty_kernel, 0); }));
+  std::printf("empty+pdl       %6.2f us\n",
+              graph_us([&](cudaStream_t s) { launch(s, true, empty_kernel, 1); }));
   std::printf("chain           %6.2f us\n",
               graph_us([&](cudaStream_t s) { launch(s, false, chain_kernel, 0, (const int*)idx, pool); }));
   std::printf("chain+pdl       %6.2f us\n",

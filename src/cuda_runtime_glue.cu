@@ -105,7 +105,8 @@ Status cuda_device_supported(int device_index) {
 
 // The workspace header holds kErrorWords int32 error words: the prefill kernels use word 0 (the host
 // clears the header before each prefill call), the decode kernels rewrite all of them on every call
-// (one per block, see write_decode_error_words in kda_decode_sm90.cuh).  The error is the first non-zero word.
+// (one per block, see write_decode_error_words in kda_decode_sm90.cuh).  The error is the first non-zero
+// word.
 constexpr int kErrorWords = static_cast<int>(detail::kWorkspaceHeaderBytes / sizeof(int32_t));
 static_assert(kErrorWords == sm90::kDecodeErrorSlots, "the decode kernel's error words fill the header");
 

@@ -5,8 +5,8 @@
 // index entries beside num_accepted, so its read slot costs no extra round trip.  Everything that
 // does not depend on the read slot (the span, the tokens' raw inputs, the gate parameters, the
 // index and token-row checks) is issued beside it, and the next kernel's launch overlaps this one
-// (programmatic dependent launch).  Many requests go to the pipelined kernel (kda_decode_pipelined.cuh), which
-// streams the state at a higher bandwidth but has a longer chain per item.
+// (programmatic dependent launch).  Many requests go to the pipelined kernel (kda_decode_pipelined.cuh),
+// which streams the state at a higher bandwidth but has a longer chain per item.
 //
 // Grid: one block per (request, head, row slice) of kRowsPerBlock rows (D = 128: 16 rows of 8 KB
 // with one row per thread, 32 rows with two), plus ceil(N / 4) checker blocks, at most
@@ -115,7 +115,8 @@ __device__ inline void load_bf16_bits(const bf16* p, bool vec, uint32_t* w) {
   } else {  // 2-byte aligned rows (rare): packed at once
     const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
 #pragma unroll
-    for (int i = 0; i < PC / 2; ++i) w[i] = static_cast<uint32_t>(h[2 * i]) | (static_cast<uint32_t>(h[2 * i + 1]) << 16);
+    for (int i = 0; i < PC / 2; ++i)
+      w[i] = static_cast<uint32_t>(h[2 * i]) | (static_cast<uint32_t>(h[2 * i + 1]) << 16);
   }
 }
 
@@ -164,9 +165,9 @@ __device__ inline TokenRaw<D> token_from_bits(const DecodeArgs& a, const TokenBi
 // to preprocess, all as bits.  Rows are clamped (mapped_row) and write slots read only below S, so
 // this stays in bounds before the request's checks have passed.
 template <int D, int kR>
-__device__ inline void load_latency_group(const DecodeArgs& a, int64_t n, int64_t batch, int64_t bos, int64_t c0,
-                                          int nt, int h, const int (&vrow)[kR], int warp, int lane,
-                                          TokenBits<D>& bits, int64_t* my_row, IndexBits* my_slot,
+__device__ inline void load_latency_group(const DecodeArgs& a, int64_t n, int64_t batch, int64_t bos,
+                                          int64_t c0, int nt, int h, const int (&vrow)[kR], int warp,
+                                          int lane, TokenBits<D>& bits, int64_t* my_row, IndexBits* my_slot,
                                           uint32_t (&vb)[kR][kLatencyTokens]) {
   const int64_t col = static_cast<int64_t>(h) * D;
   const unsigned short* v = reinterpret_cast<const unsigned short*>(a.v);
@@ -183,15 +184,17 @@ __device__ inline void load_latency_group(const DecodeArgs& a, int64_t n, int64_
   if (warp < nt) {
     *my_row = mapped_row(a, bos + c0 + warp);
     load_token_bits<D>(a, batch, *my_row, h, lane, bits);
-    if (a.spec && c0 + warp < a.slots) *my_slot = load_index_bits(a.idx, a.idx_int64, n * a.slots + c0 + warp);
+    if (a.spec && c0 + warp < a.slots)
+      *my_slot = load_index_bits(a.idx, a.idx_int64, n * a.slots + c0 + warp);
   }
 }
 
 // Warp `warp` < nt preprocesses its token into the shared buffers (published by the caller's barrier).
 template <int D>
 __device__ inline void prep_latency_token(const DecodeArgs& a, const TokenBits<D>& bits, float expA,
-                                          const float (&dtb)[D / 32], int64_t my_row, const IndexBits& my_slot,
-                                          int nt, LatencySmem<D>& sm, int warp, int lane) {
+                                          const float (&dtb)[D / 32], int64_t my_row,
+                                          const IndexBits& my_slot, int nt, LatencySmem<D>& sm, int warp,
+                                          int lane) {
   if (warp >= nt) return;
   const float bt = preprocess_token<D, true>(a, token_from_bits<D>(a, bits), expA, dtb, sm.tok[warp], lane);
   if (lane == 0) {
@@ -244,8 +247,8 @@ __global__ void __launch_bounds__(kLatencyThreads, 4)
     // 1. Every load that depends on n alone, issued before any loaded value is used: the read
     // slot's first load (plain: idx[n]; spec: num_accepted[n]), the gate parameters, the span and the
     // first token group (bits).
-    const IndexBits first = a.spec ? load_index_bits(a.num_accepted, a.acc_int64, n)
-                                   : load_index_bits(a.idx, a.idx_int64, n);
+    const IndexBits first =
+        a.spec ? load_index_bits(a.num_accepted, a.acc_int64, n) : load_index_bits(a.idx, a.idx_int64, n);
     // Spec: the first entries of the request's index row too, so the read slot idx[n, acc - 1] is
     // picked from registers once acc is back (a round trip less on the chain to the state).
     IndexBits pre[kSpecPreSlots] = {};
