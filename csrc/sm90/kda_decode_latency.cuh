@@ -1,12 +1,11 @@
 // decode_latency_kernel: decode / speculative decode for calls with few requests (batch 1-8 at
 // H = 16), where a call is not a stream but one chain of dependent round trips, and what counts is
 // how short that chain is:  [wait for the previous kernel] -> read slot (num_accepted -> index
-// entry) -> state slice -> the tokens' math -> stores -> [grid done].  Spec decode loads the first 4
-// index entries beside num_accepted, so its read slot costs no extra round trip.  Everything that
-// does not depend on the read slot (the span, the tokens' raw inputs, the gate parameters, the
-// index and token-row checks) is issued beside it, and the next kernel's launch overlaps this one
-// (programmatic dependent launch).  Many requests go to the pipelined kernel (kda_decode_pipelined.cuh),
-// which streams the state at a higher bandwidth but has a longer chain per item.
+// entry) -> state slice -> the tokens' math -> stores -> [grid done].  Everything that does not depend
+// on the read slot (the span, the tokens' raw inputs, the gate parameters, the index and token-row
+// checks) is issued beside it, and the next kernel's launch overlaps this one (programmatic
+// dependent launch).  Many requests go to the pipelined kernel (kda_decode_pipelined.cuh), which
+// streams the state at a higher bandwidth but has a longer chain per item.
 //
 // Grid: one block per (request, head, row slice) of kRowsPerBlock rows (D = 128: 16 rows of 8 KB
 // with one row per thread, 32 rows with two), plus ceil(N / 4) checker blocks, at most
@@ -38,7 +37,6 @@ namespace sm90 {
 constexpr int kLatencyWarps = 4;
 constexpr int kLatencyThreads = kLatencyWarps * 32;
 constexpr int kLatencyTokens = kLatencyWarps;  // tokens per block barrier: one per warp
-constexpr int kSpecPreSlots = 4;               // index entries loaded beside num_accepted (1 + 3 drafts)
 
 template <int D, int kR>
 struct LatencyLayout {
@@ -249,14 +247,6 @@ __global__ void __launch_bounds__(kLatencyThreads, 4)
     // first token group (bits).
     const IndexBits first =
         a.spec ? load_index_bits(a.num_accepted, a.acc_int64, n) : load_index_bits(a.idx, a.idx_int64, n);
-    // Spec: the first entries of the request's index row too, so the read slot idx[n, acc - 1] is
-    // picked from registers once acc is back (a round trip less on the chain to the state).
-    IndexBits pre[kSpecPreSlots] = {};
-    if (a.spec) {
-#pragma unroll
-      for (int c = 0; c < kSpecPreSlots; ++c)
-        if (c < a.slots) pre[c] = load_index_bits(a.idx, a.idx_int64, n * a.slots + c);
-    }
     const bool gated = a.gate_mode != kGatePrecomputed;
     const float a_log = gated ? a.A_log[h] : 0.f;
     float dtb[PC];
@@ -275,16 +265,7 @@ __global__ void __launch_bounds__(kLatencyThreads, 4)
     ReadSlotLoad rs;
     if (a.spec) {
       rs.acc = index_value(first, a.acc_int64);
-      const int64_t col = rs.acc >= 1 && rs.acc <= a.slots ? rs.acc - 1 : 0;  // < S: pre[col] was loaded
-      if (col < kSpecPreSlots) {
-        IndexBits sel = pre[0];
-#pragma unroll
-        for (int c = 1; c < kSpecPreSlots; ++c)
-          if (col == c) sel = pre[c];
-        rs.slot = index_value(sel, a.idx_int64);
-      } else {
-        rs.slot = slot_at(a, n, col);
-      }
+      rs.slot = slot_at(a, n, rs.acc >= 1 && rs.acc <= a.slots ? rs.acc - 1 : 0);
     } else {
       rs.acc = 1;
       rs.slot = index_value(first, a.idx_int64);
