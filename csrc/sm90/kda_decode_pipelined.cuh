@@ -157,7 +157,7 @@ __device__ inline void copy_row_async(void* dst, const void* src, int bytes, int
 
 // ---- the producer's per-item resolution -------------------------------------------------------------
 // One lane per item; every load here depends at most on cu_seqlens -> num_accepted -> index, and the
-// 32 lanes' chains overlap.  Mirrors the checks of the per-request kernels (decode_span,
+// 32 lanes' chains overlap.  Mirrors the checks of the latency kernel (decode_span,
 // decode_read_slot, decode_entries_error) so the semantics are identical.
 template <int D>
 __device__ inline DecodeItem resolve_decode_item(const DecodeArgs& a, int64_t item, int stage_tokens) {
