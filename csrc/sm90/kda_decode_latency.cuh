@@ -1,4 +1,4 @@
-// decode_latency_kernel: decode / speculative decode for calls with few requests (batch 1-8 at
+// decode_latency_kernel: decode / speculative decode for calls with few requests (batch 1-15 at
 // H = 16), where a call is not a stream but one chain of dependent round trips, and what counts is
 // how short that chain is:  [wait for the previous kernel] -> read slot (num_accepted -> index
 // entry) -> state slice -> the tokens' math -> stores -> [grid done].  Everything that does not depend
@@ -18,7 +18,8 @@
 // Checker block: warp w runs the pool-row conflict check of requests 4 c + w (c = checker index),
 // off the state blocks' chain.
 // Shared memory: 4 preprocessed tokens (6 KB for D = 128) + their beta, rows and write slots.
-// Registers: 16 kR state + 13 raw token + 4 kR v values per thread; no spills at 4 blocks per SM.
+// Registers: 16 kR state + 13 raw token + 4 kR v values per thread, 128 at 4 blocks per SM (kR = 2
+// spills 8-28 bytes).
 //
 // Errors: as the pipelined kernel (kda_decode_sm90.cuh): a bad request writes nothing, its code and
 // any conflict go to the block's error word, and every call rewrites all the error words.
@@ -343,19 +344,8 @@ Status launch_decode_latency(const DecodeArgs& a, bool pdl, cudaStream_t stream)
     return Status::invalid("flashkda: decode latency kernel: expected at most " +
                            std::to_string(kDecodeErrorSlots) + " blocks, got " + std::to_string(grid));
   }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(grid));
-  cfg.blockDim = dim3(kLatencyThreads);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cuda_status(
-      cudaLaunchKernelEx(&cfg, decode_latency_kernel<D, kF32, kR>, a, L::state_blocks(a.N, a.H)),
-      "decode_latency_kernel launch");
+  return launch_decode_grid(decode_latency_kernel<D, kF32, kR>, grid, kLatencyThreads, 0, pdl, stream,
+                            "decode_latency_kernel launch", a, L::state_blocks(a.N, a.H));
 }
 
 // The latency kernel's row-per-thread count for this call: 1 (the finest slices) when its grid fits,

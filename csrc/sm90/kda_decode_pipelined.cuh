@@ -534,18 +534,8 @@ Status launch_decode_pipelined(const DecodeArgs& a, int num_sms, bool pdl, cudaS
   const size_t smem = sizeof(DecodeSmem<D, kF32>);
   const cudaError_t e = set_smem_limit_once<decode_pipelined_kernel<D, kF32>>(static_cast<int>(smem));
   if (e != cudaSuccess) return cuda_status(e, "decode_pipelined_kernel attribute");
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(grid));
-  cfg.blockDim = dim3(kDecodeThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cuda_status(cudaLaunchKernelEx(&cfg, decode_pipelined_kernel<D, kF32>, a, total),
-                     "decode_pipelined_kernel launch");
+  return launch_decode_grid(decode_pipelined_kernel<D, kF32>, grid, kDecodeThreads, smem, pdl, stream,
+                            "decode_pipelined_kernel launch", a, total);
 }
 
 }  // namespace sm90

@@ -19,6 +19,7 @@
 
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "flashkda/flashkda.h"
 #include "sm90/kda_token_recurrence.cuh"
@@ -193,6 +194,24 @@ constexpr int kDecodeErrorSlots = 1024;
 __device__ inline void write_decode_error_words(const DecodeArgs& a, int code) {
   const int64_t G = gridDim.x;
   for (int64_t w = blockIdx.x; w < kDecodeErrorSlots; w += G) a.error_word[w] = w == blockIdx.x ? code : 0;
+}
+
+// Launches a decode kernel on a 1-D grid, with programmatic stream serialisation when `pdl` (its
+// set-up before griddepcontrol.wait overlaps the previous kernel's tail).
+template <class... Params, class... Args>
+Status launch_decode_grid(void (*kernel)(Params...), int64_t grid, int threads, size_t smem, bool pdl,
+                          cudaStream_t stream, const char* what, Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid));
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cuda_status(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...), what);
 }
 
 // Which decode kernel runs a call.  kAuto: the latency kernel (kda_decode_latency.cuh) when the

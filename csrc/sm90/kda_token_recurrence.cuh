@@ -1,6 +1,6 @@
 // Token-by-token KDA recurrence (spec section 2) on state rows held in registers.  Shared by the
-// decode / speculative-decode kernel (kda_decode_sm90.cuh) and the prefill's checkpoint_advance
-// kernel (kda_checkpoint_advance.cuh).
+// decode / speculative-decode kernels (kda_decode_latency.cuh, kda_decode_pipelined.cuh) and the
+// prefill's checkpoint_advance kernel (kda_checkpoint_advance.cuh).
 //
 // Why row-parallel: every row v of S (V x K) evolves on its own,
 //   s_v <- s_v * exp(a);  u_v = b (v_v - s_v . k);  s_v <- s_v + u_v k;  o_v = s_v . (scale q),
