@@ -19,14 +19,7 @@
 #include <cstdlib>
 #include <vector>
 
-#define CHECK(x)                                                                              \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
+#include "cuda_check.h"
 
 constexpr int kBlocks = 129, kThreads = 128, kCalls = 20;
 constexpr int kRowFloats = 16 * 128 * 128;  // one pool row: H = 16 heads of 128 x 128 fp32
