@@ -30,6 +30,8 @@
 
 #include <cuda_fp16.h>
 
+#include <type_traits>
+
 #include "sm90/kda_common.cuh"
 
 namespace flashkda {
@@ -303,32 +305,86 @@ __device__ inline void lk_block_pairwise(const uint16_t* sQ, const uint16_t* sK,
   }
 }
 
-// Off-diagonal blocks of T_inv at block distance d: T_IJ = -T_II sum_{M=J}^{I-1} L_IM T_MJ, J = I - d.
+// Off-diagonal blocks of T_inv at block distance d, one warp per block (I, J = I - d):
+// X = sum_{M=J}^{I-1} L_IM T_MJ, then T_IJ = -T_II X, both on tf32 tensor cores with fp32
+// accumulation.  tf32 keeps fp16's 10-bit mantissa, the precision T_inv diag(b) is stored with for
+// the W / U products anyway; the fp32 range keeps any L finite.  X goes through the warp's scratch to
+// turn from accumulator into operand layout.
 template <int D, int d>
-__device__ inline void tinv_level(const float* sL, float* sTi, float* sX, int tid) {
+__device__ inline void tinv_level(const float* sL, float* sTi, float* sX, int warp, int lane) {
   constexpr int ldt = PrepareSmem<D>::kLdT;
-  constexpr int pairs = 4 - d;
-  for (int e = tid; e < pairs * 256; e += kPrepareThreads) {
-    const int p = e >> 8, i = (e >> 4) & 15, j = e & 15;
-    const int J = p, I = p + d;
-    const float* lrow = sL + (16 * I + i) * ldt + 16 * J;
-    const float* tcol = sTi + (16 * J) * ldt + 16 * J + j;
-    float x = 0.f;
+  const int g = lane >> 2, t = lane & 3;
+  if (warp < 4 - d) {
+    const int J = warp, I = warp + d;
+    float x[2][4] = {};
 #pragma unroll
-    for (int m = 0; m < 16 * d; ++m) x += lrow[m] * tcol[m * ldt];
-    sX[p * 272 + i * 17 + j] = x;
+    for (int s = 0; s < 2 * d; ++s) {  // k-steps of 8 over columns 16J .. 16I-1 of L's row block I
+      const int k0 = 16 * J + 8 * s;
+      const float* lr = sL + (16 * I + g) * ldt + k0 + t;
+      const uint32_t af[4] = {to_tf32(lr[0]), to_tf32(lr[8 * ldt]), to_tf32(lr[4]), to_tf32(lr[8 * ldt + 4])};
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const float* tc = sTi + (k0 + t) * ldt + 16 * J + 8 * nt + g;
+        mma_tf32(x[nt], af, to_tf32(tc[0]), to_tf32(tc[4 * ldt]));
+      }
+    }
+    float* xs = sX + warp * 16 * 17;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      xs[g * 17 + 8 * nt + 2 * t] = x[nt][0];
+      xs[g * 17 + 8 * nt + 2 * t + 1] = x[nt][1];
+      xs[(g + 8) * 17 + 8 * nt + 2 * t] = x[nt][2];
+      xs[(g + 8) * 17 + 8 * nt + 2 * t + 1] = x[nt][3];
+    }
+    __syncwarp();
+    float y[2][4] = {};
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const float* tr = sTi + (16 * I + g) * ldt + 16 * I + 8 * s + t;
+      const uint32_t af[4] = {to_tf32(tr[0]), to_tf32(tr[8 * ldt]), to_tf32(tr[4]), to_tf32(tr[8 * ldt + 4])};
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const float* xc = xs + (8 * s + t) * 17 + 8 * nt + g;
+        mma_tf32(y[nt], af, to_tf32(xc[0]), to_tf32(xc[4 * 17]));
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      float* o = sTi + (16 * I + g) * ldt + 16 * J + 8 * nt + 2 * t;
+      o[0] = -y[nt][0];
+      o[1] = -y[nt][1];
+      o[8 * ldt] = -y[nt][2];
+      o[8 * ldt + 1] = -y[nt][3];
+    }
   }
   __syncthreads();
-  for (int e = tid; e < pairs * 256; e += kPrepareThreads) {
-    const int p = e >> 8, i = (e >> 4) & 15, j = e & 15;
-    const int J = p, I = p + d;
-    const float* trow = sTi + (16 * I + i) * ldt + 16 * I;
-    float x = 0.f;
-#pragma unroll
-    for (int m = 0; m < 16; ++m) x += trow[m] * sX[p * 272 + m * 17 + j];
-    sTi[(16 * I + i) * ldt + 16 * J + j] = -x;
+}
+
+// slot_to_chunk by the whole block: the sequence of a slot is the number of sequences whose first
+// slot is <= it, minus one (first slots increase for valid cu_seqlens; invalid ones are flagged by
+// validate_device_inputs and the state pass then writes nothing).  One parallel round of loads
+// instead of a chain of log2(N) dependent ones at every block's start.
+__device__ inline bool slot_to_chunk_block(const PrefillArgs& a, int64_t slot, int64_t* n_out, int64_t* c_out) {
+  if (!a.cu_seqlens) return slot_to_chunk(a, slot, n_out, c_out);
+  int64_t count = 0;
+  for (int64_t base = 0; base < a.N; base += kPrepareThreads) {
+    const int64_t i = base + threadIdx.x;
+    int le = 0;
+    if (i < a.N) {
+      int64_t cu = load_index(a.cu_seqlens, a.cu_int64, i);
+      cu = cu < 0 ? 0 : (cu > a.T ? a.T : cu);
+      le = cu / kChunk + i <= slot;
+    }
+    count += __syncthreads_count(le);
   }
-  __syncthreads();
+  if (count == 0) return false;
+  const int64_t n = count - 1;
+  const SeqSpan s = sequence_span(a, n);
+  const int64_t c = slot - s.slot0;
+  if (c < 0 || c * kChunk >= s.len) return false;
+  *n_out = n;
+  *c_out = c;
+  return true;
 }
 
 template <int D>
@@ -357,7 +413,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   if (blockIdx.x == 0 && blockIdx.y == 0) validate_device_inputs(a);
 
   int64_t n, c;
-  if (!slot_to_chunk(a, blockIdx.x, &n, &c)) return;
+  if (!slot_to_chunk_block(a, blockIdx.x, &n, &c)) return;
   if (a.state_indices && load_index(a.state_indices, a.idx_int64, n) < 0) return;  // padded sequence
   const int h = blockIdx.y;
   const SeqSpan sp = sequence_span(a, n);
@@ -370,92 +426,144 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   if (tid < 8) sMax[tid] = 0;  // ordered before the atomics by the first __syncthreads
   float vmax = 0.f, kmax = 0.f, qn2max = 0.f, kn2max = 0.f;
 
-  // ---- 1. load and preprocess (all loads of a pass issued before use) ------------------------------
+  // ---- 1. load and preprocess -------------------------------------------------------------------
+  // When every input row is 16-byte aligned (the common case), the chunk's raw q, k, v and g rows are
+  // brought in by cp.async in one round trip: each thread copies exactly the 16-byte segments it
+  // preprocesses below, so its own wait_group orders them (no barrier).  q, k and v land in their
+  // final buffers; bf16 g is staged over L (dead until phase 3), fp32 g straight into G.  Otherwise
+  // each pass loads its rows from global memory.  The two variants are separate loops (not a branch
+  // per load) so that neither issues the other's predicated-off instructions.
   const bool gated = a.gate_mode != kGatePrecomputed;
+  const bool staged = a.vec_q && a.vec_k && a.vec_v && a.vec_g;
+  uint16_t* sGraw = reinterpret_cast<uint16_t*>(smem + SM::kL);  // bf16 g staging, pitch D
+  static_assert(kChunk * D * 2 <= kChunk * PrepareSmem<D>::kLdT * 4, "bf16 g staging must fit over L");
+  if (staged) {
+#pragma unroll
+    for (int pass = 0; pass < PASSES; ++pass) {
+      const int r = rbase + pass * RPP;
+      if (r < rows) {
+        const int64_t tok = mapped_row(a, tok0 + r);
+        cp_async_16(sQ + r * ldh + c8, a.q + sp.batch * a.q_sb + tok * a.q_st + h * D + c8);
+        cp_async_16(sK + r * ldh + c8, a.k + sp.batch * a.k_sb + tok * a.k_st + h * D + c8);
+        cp_async_16(sV + r * ldh + c8, a.v + sp.batch * a.v_sb + tok * a.v_st + h * D + c8);
+        const int64_t go = sp.batch * a.g_sb + tok * a.g_st + h * D + c8;
+        if (a.g_fp32) {
+          const float* gp = static_cast<const float*>(a.g) + go;
+          cp_async_16(sG + r * ldf + c8, gp);
+          cp_async_16(sG + r * ldf + c8 + 4, gp + 4);
+        } else {
+          cp_async_16(sGraw + r * D + c8, static_cast<const bf16*>(a.g) + go);
+        }
+      }
+    }
+    cp_async_commit();
+  }
+  // Per-row beta (one lane per row writes sB) and the head's gate parameters: in flight with the copies.
+  float braw[PASSES];
+#pragma unroll
+  for (int pass = 0; pass < PASSES; ++pass) {
+    const int r = rbase + pass * RPP;
+    braw[pass] = 0.f;
+    if (c8 == 0 && r < rows) {
+      const int64_t tok = mapped_row(a, tok0 + r);
+      braw[pass] = load_scalar(a.beta, a.beta_fp32, sp.batch * a.beta_sb + tok * a.beta_st + h);
+    }
+  }
   const float expA_h = gated ? expf(a.A_log[h]) : 0.f;
   float dtb[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) dtb[i] = gated ? a.dt_bias[h * D + c8 + i] : 0.f;
+  if (staged) cp_async_wait<0>();
+
+  auto preprocess_rows = [&](auto staged_tag) {
+    constexpr bool kStaged = decltype(staged_tag)::value;
 #pragma unroll
-  for (int pass = 0; pass < PASSES; ++pass) {
-    const int r = rbase + pass * RPP;
-    float xq[8], xk[8], xg[8], xv[8];
-    float b = 0.f;
-    if (r < rows) {
-      const int64_t tok = mapped_row(a, tok0 + r);
-      load8_bf16(a.q + sp.batch * a.q_sb + tok * a.q_st + h * D + c8, a.vec_q, xq);
-      load8_bf16(a.k + sp.batch * a.k_sb + tok * a.k_st + h * D + c8, a.vec_k, xk);
-      load8_bf16(a.v + sp.batch * a.v_sb + tok * a.v_st + h * D + c8, a.vec_v, xv);
-      const int64_t go = sp.batch * a.g_sb + tok * a.g_st + h * D + c8;
-      if (a.g_fp32) {
-        const float* gp = static_cast<const float*>(a.g) + go;
-        if (a.vec_g) {
-          const float4 u0 = *reinterpret_cast<const float4*>(gp),
-                       u1 = *reinterpret_cast<const float4*>(gp + 4);
-          xg[0] = u0.x;
-          xg[1] = u0.y;
-          xg[2] = u0.z;
-          xg[3] = u0.w;
-          xg[4] = u1.x;
-          xg[5] = u1.y;
-          xg[6] = u1.z;
-          xg[7] = u1.w;
+    for (int pass = 0; pass < PASSES; ++pass) {
+      const int r = rbase + pass * RPP;
+      float xq[8], xk[8], xg[8], xv[8];
+      float b = 0.f;
+      if (r < rows) {
+        if (kStaged) {
+          load8_qk(sQ + r * ldh + c8, false, xq);
+          load8_qk(sK + r * ldh + c8, false, xk);
+          load8_qk(sV + r * ldh + c8, false, xv);
+          if (a.g_fp32) {
+            const float4 u0 = *reinterpret_cast<const float4*>(sG + r * ldf + c8),
+                         u1 = *reinterpret_cast<const float4*>(sG + r * ldf + c8 + 4);
+            xg[0] = u0.x, xg[1] = u0.y, xg[2] = u0.z, xg[3] = u0.w;
+            xg[4] = u1.x, xg[5] = u1.y, xg[6] = u1.z, xg[7] = u1.w;
+          } else {
+            load8_qk(sGraw + r * D + c8, false, xg);
+          }
         } else {
+          const int64_t tok = mapped_row(a, tok0 + r);
+          load8_bf16(a.q + sp.batch * a.q_sb + tok * a.q_st + h * D + c8, false, xq);
+          load8_bf16(a.k + sp.batch * a.k_sb + tok * a.k_st + h * D + c8, false, xk);
+          load8_bf16(a.v + sp.batch * a.v_sb + tok * a.v_st + h * D + c8, false, xv);
+          const int64_t go = sp.batch * a.g_sb + tok * a.g_st + h * D + c8;
+          if (a.g_fp32) {
+            const float* gp = static_cast<const float*>(a.g) + go;
 #pragma unroll
-          for (int i = 0; i < 8; ++i) xg[i] = gp[i];
+            for (int i = 0; i < 8; ++i) xg[i] = gp[i];
+          } else {
+            load8_bf16(static_cast<const bf16*>(a.g) + go, false, xg);
+          }
+        }
+        b = a.beta_sigmoid ? sigmoidf_(braw[pass]) : braw[pass];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          xg[i] = gate_log_decay(a.gate_mode, xg[i], expA_h, dtb[i], a.lower_bound) * kLog2e;
+          vmax = fmaxf(vmax, fabsf(xv[i]));
         }
       } else {
-        load8_bf16(static_cast<const bf16*>(a.g) + go, a.vec_g, xg);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) xq[i] = xk[i] = xg[i] = xv[i] = 0.f;
       }
-      const float braw = load_scalar(a.beta, a.beta_fp32, sp.batch * a.beta_sb + tok * a.beta_st + h);
-      b = a.beta_sigmoid ? sigmoidf_(braw) : braw;
+      float sq = 0.f, sk = 0.f;  // row norms^2; the TPR lanes of a row are adjacent
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        xg[i] = gate_log_decay(a.gate_mode, xg[i], expA_h, dtb[i], a.lower_bound) * kLog2e;
-        vmax = fmaxf(vmax, fabsf(xv[i]));
+        sq += xq[i] * xq[i];
+        sk += xk[i] * xk[i];
       }
-    } else {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) xq[i] = xk[i] = xg[i] = xv[i] = 0.f;
-    }
-    float sq = 0.f, sk = 0.f;  // row norms^2; the TPR lanes of a row are adjacent
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      sq += xq[i] * xq[i];
-      sk += xk[i] * xk[i];
-    }
-#pragma unroll
-    for (int o = TPR / 2; o > 0; o >>= 1) {
-      sq += __shfl_xor_sync(0xffffffffu, sq, o);
-      sk += __shfl_xor_sync(0xffffffffu, sk, o);
-    }
-    qn2max = fmaxf(qn2max, qk16 ? 1.f : sq);
-    kn2max = fmaxf(kn2max, qk16 ? 1.f : sk);
-    if (qk16) {  // x / sqrt(sum x^2 + 1e-6)
-      const float iq = rsqrtf(sq + 1e-6f), ik = rsqrtf(sk + 1e-6f);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        xq[i] *= iq;
-        xk[i] *= ik;
+      for (int o = TPR / 2; o > 0; o >>= 1) {
+        sq += __shfl_xor_sync(0xffffffffu, sq, o);
+        sk += __shfl_xor_sync(0xffffffffu, sk, o);
       }
-    }
+      qn2max = fmaxf(qn2max, qk16 ? 1.f : sq);
+      kn2max = fmaxf(kn2max, qk16 ? 1.f : sk);
+      if (qk16) {  // x / sqrt(sum x^2 + 1e-6)
+        const float iq = rsqrtf(sq + 1e-6f), ik = rsqrtf(sk + 1e-6f);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) kmax = fmaxf(kmax, fabsf(xk[i]));
-    uint4 uq, uk;
-    uq.x = pack_qk(xq[0], xq[1], qk16);
-    uq.y = pack_qk(xq[2], xq[3], qk16);
-    uq.z = pack_qk(xq[4], xq[5], qk16);
-    uq.w = pack_qk(xq[6], xq[7], qk16);
-    uk.x = pack_qk(xk[0], xk[1], qk16);
-    uk.y = pack_qk(xk[2], xk[3], qk16);
-    uk.z = pack_qk(xk[4], xk[5], qk16);
-    uk.w = pack_qk(xk[6], xk[7], qk16);
-    *reinterpret_cast<uint4*>(sQ + r * ldh + c8) = uq;
-    *reinterpret_cast<uint4*>(sK + r * ldh + c8) = uk;
-    *reinterpret_cast<float4*>(sG + r * ldf + c8) = make_float4(xg[0], xg[1], xg[2], xg[3]);
-    *reinterpret_cast<float4*>(sG + r * ldf + c8 + 4) = make_float4(xg[4], xg[5], xg[6], xg[7]);
-    store8_bf16(reinterpret_cast<bf16*>(sV + r * ldh + c8), xv);  // raw v (exact)
-    if (c8 == 0) sB[r] = b;
+        for (int i = 0; i < 8; ++i) {
+          xq[i] *= iq;
+          xk[i] *= ik;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) kmax = fmaxf(kmax, fabsf(xk[i]));
+      uint4 uq, uk;
+      uq.x = pack_qk(xq[0], xq[1], qk16);
+      uq.y = pack_qk(xq[2], xq[3], qk16);
+      uq.z = pack_qk(xq[4], xq[5], qk16);
+      uq.w = pack_qk(xq[6], xq[7], qk16);
+      uk.x = pack_qk(xk[0], xk[1], qk16);
+      uk.y = pack_qk(xk[2], xk[3], qk16);
+      uk.z = pack_qk(xk[4], xk[5], qk16);
+      uk.w = pack_qk(xk[6], xk[7], qk16);
+      *reinterpret_cast<uint4*>(sQ + r * ldh + c8) = uq;
+      *reinterpret_cast<uint4*>(sK + r * ldh + c8) = uk;
+      *reinterpret_cast<float4*>(sG + r * ldf + c8) = make_float4(xg[0], xg[1], xg[2], xg[3]);
+      *reinterpret_cast<float4*>(sG + r * ldf + c8 + 4) = make_float4(xg[4], xg[5], xg[6], xg[7]);
+      // Staged v is already the raw bf16 in place; rows past the end are zeroed either way.
+      if (!kStaged || r >= rows) store8_bf16(reinterpret_cast<bf16*>(sV + r * ldh + c8), xv);
+      if (c8 == 0) sB[r] = b;
+    }
+  };
+  if (staged) {
+    preprocess_rows(std::true_type{});
+  } else {
+    preprocess_rows(std::false_type{});
   }
   __syncthreads();
 
@@ -593,14 +701,23 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     for (int i = 0; i < 16; ++i) sTi[(16 * I + i) * ldt + 16 * I + cc] = tcol[i];
   }
   __syncthreads();
-  tinv_level<D, 1>(sL, sTi, sX, tid);
-  tinv_level<D, 2>(sL, sTi, sX, tid);
-  tinv_level<D, 3>(sL, sTi, sX, tid);
-  {  // Tb = T_inv diag(b) 2^-shift_t in fp16 (upper blocks were never written: zero)
+  tinv_level<D, 1>(sL, sTi, sX, warp, lane);
+  tinv_level<D, 2>(sL, sTi, sX, warp, lane);
+  tinv_level<D, 3>(sL, sTi, sX, warp, lane);
+  // Tb = T_inv diag(b) 2^-shift_t in fp16; upper blocks of T_inv were never written and are zero in Tb.
+  // Each warp holds rows warp + 8k (column pair 2 lane) in registers from the max to the store.
+  constexpr int kTbPairs = kChunk * kChunk / 2 / kPrepareThreads;
+  static_assert(kChunk / 2 == 32, "one column pair per lane");
+  float2 tbv[kTbPairs];
+  {
     float tmax = 0.f;
-    for (int e = tid; e < kChunk * kChunk; e += kPrepareThreads) {
-      const int i = e / kChunk, j = e % kChunk;
-      if ((j / 16) <= (i / 16)) tmax = fmaxf(tmax, fabsf(sTi[i * ldt + j] * sB[j]));
+    const float2 bj = *reinterpret_cast<const float2*>(sB + 2 * lane);
+#pragma unroll
+    for (int k = 0; k < kTbPairs; ++k) {
+      const int i = warp + 8 * k, j = 2 * lane;
+      const bool lower = (j / 16) <= (i / 16);
+      tbv[k] = lower ? make_float2(sTi[i * ldt + j] * bj.x, sTi[i * ldt + j + 1] * bj.y) : make_float2(0.f, 0.f);
+      tmax = fmaxf(tmax, fmaxf(fabsf(tbv[k].x), fabsf(tbv[k].y)));
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, o));
@@ -610,11 +727,9 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   const int shift_t = pow2_shift(__int_as_float(sMax[2]), 1);  // |Tb 2^-shift_t| < 2
   {
     const float st = pow2i(-shift_t);
-    for (int e = tid; e < kChunk * kChunk / 2; e += kPrepareThreads) {
-      const int i = e / (kChunk / 2), j = (e % (kChunk / 2)) * 2;
-      const bool upper = (j / 16) > (i / 16);
-      *reinterpret_cast<uint32_t*>(sTb + i * ldtb + j) =
-          upper ? 0u : pack_f16(sTi[i * ldt + j] * sB[j] * st, sTi[i * ldt + j + 1] * sB[j + 1] * st);
+#pragma unroll
+    for (int k = 0; k < kTbPairs; ++k) {
+      *reinterpret_cast<uint32_t*>(sTb + (warp + 8 * k) * ldtb + 2 * lane) = pack_f16(tbv[k].x * st, tbv[k].y * st);
     }
   }
   __syncthreads();

@@ -140,6 +140,26 @@ def test_row_strided_inputs(gen):
     assert torch.equal(out, out2) and torch.equal(fs, fs2)
 
 
+@pytest.mark.parametrize("misaligned", ["all", "g"])
+def test_unaligned_rows_take_the_unstaged_path(gen, misaligned):
+    """Rows that are not 16-byte aligned cannot be copied by cp.async: chunk_prepare loads them per
+    element instead.  Both paths do the same arithmetic, so the results are bitwise equal."""
+    from kda_helpers import strided_copy
+    inp = make_inputs([100, 1, 77], H=4, D=128, device=DEV, generator=gen)
+    names = ("q", "k", "v", "g") if misaligned == "all" else ("g",)
+    odd = dict(inp)
+    for name in names:
+        odd[name] = strided_copy(inp[name], pad=24, offset=1)  # 2-byte offset (4 for fp32 g)
+        assert odd[name].data_ptr() % 16 != 0
+    out, fs = poisoned_outputs(inp)
+    run(odd, out, fs)
+    judge(gen, inp, out, fs, SPEC_OUT, SPEC_STATE)
+    out2, fs2 = poisoned_outputs(inp)
+    run(inp, out2, fs2)
+    torch.cuda.synchronize()
+    assert torch.equal(out, out2) and torch.equal(fs, fs2)
+
+
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_in_place_state(gen, state_dtype):
     inp = make_inputs([50, 0, 129], H=4, D=128, device=DEV, state_dtype=state_dtype, generator=gen)
