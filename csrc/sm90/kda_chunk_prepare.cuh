@@ -739,31 +739,32 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   const float w_unscale = pow2i(shift_t + shift_k);
   if (tid == 0) *reinterpret_cast<int*>(rec + ChunkRecord<D>::kUtShift) = shift_t + shift_v;
   __half* rUTh = reinterpret_cast<__half*>(rUT);
-  for (int u = warp; u < 4 * (D / 64); u += kPrepareThreads / 32) {
-    const int I = u % 4, ng = u / 4;
-    float acc[8][4] = {};
-    for (int s = 0; s <= I; ++s) {
+  // Work items: W row block I x 32 columns costs 4 (I + 1) mma, UT row tile x token half 8 or 16.
+  // They are dealt so that every warp gets the same count (D = 128: 44 mma, D = 64: 20 or 24); the
+  // plain round robin gave one warp 64 and another 24, and the block waited for the slowest.
+  auto w_item = [&](int I, int ng) {  // W rows 16I.., columns 32 ng..
+    float acc[4][4] = {};
+    for (int s = 0; s <= I; ++s) {  // T_inv is block-lower: W_I = sum_{s <= I} Tb_Is kt_s
       uint32_t af[4];
       load_a_frag(af, reinterpret_cast<const bf16*>(sTb), ldtb, 16 * I, 16 * s, lane);
 #pragma unroll
-      for (int p = 0; p < 4; ++p) {
+      for (int p = 0; p < 2; ++p) {
         uint32_t bf[4];
-        load_b_frag_kn(bf, reinterpret_cast<const bf16*>(sKt), ldh, 64 * ng + 16 * p, 16 * s, lane);
+        load_b_frag_kn(bf, reinterpret_cast<const bf16*>(sKt), ldh, 32 * ng + 16 * p, 16 * s, lane);
         mma_f16(acc[2 * p], af, bf[0], bf[1]);
         mma_f16(acc[2 * p + 1], af, bf[2], bf[3]);
       }
     }
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const int col = 64 * ng + 8 * nt + 2 * t;
+    for (int nt = 0; nt < 4; ++nt) {
+      const int col = 32 * ng + 8 * nt + 2 * t;
       *reinterpret_cast<uint32_t*>(rW + (16 * I + g) * D + col) =
           pack_bf16(acc[nt][0] * w_unscale, acc[nt][1] * w_unscale);
       *reinterpret_cast<uint32_t*>(rW + (16 * I + g + 8) * D + col) =
           pack_bf16(acc[nt][2] * w_unscale, acc[nt][3] * w_unscale);
     }
-  }
-  for (int u = warp; u < (D / 16) * 2; u += kPrepareThreads / 32) {
-    const int mt = u >> 1, nh = u & 1;
+  };
+  auto ut_item = [&](int mt, int nh) {  // UT rows 16 mt.., tokens 32 nh..
     float acc[4][4] = {};
     const int ksteps = nh ? 4 : 2;  // T_inv^T(r', r) = 0 for r' > r
     for (int s = 0; s < ksteps; ++s) {
@@ -784,6 +785,16 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
       *reinterpret_cast<uint32_t*>(rUTh + (16 * mt + g + 8) * kChunk + col) =
           pack_f16(acc[nt][2], acc[nt][3]);
     }
+  };
+  static_assert(kPrepareThreads == 256, "the deal below assumes 8 warps");
+  if constexpr (D == 128) {  // UT: row tile = warp (24); W: 32 columns (warp % 4), blocks {3, 0} or {2, 1} (20)
+    ut_item(warp, 0);
+    ut_item(warp, 1);
+    w_item(warp < 4 ? 3 : 2, warp & 3);
+    w_item(warp < 4 ? 0 : 1, warp & 3);
+  } else {  // UT: (warp / 2, warp % 2) (8 or 16); W: the short blocks 0, 1 to the odd warps (4 .. 16)
+    ut_item(warp >> 1, warp & 1);
+    w_item(((warp & 1) ? 0 : 2) + (warp >> 2), (warp >> 1) & 1);
   }
 }
 
