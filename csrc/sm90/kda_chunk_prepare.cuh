@@ -615,21 +615,36 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
               (gm - sG[(16 * I + 15) * ldf + tid] > kMaxHalfSpanLog2);
     }
   }
+  // kt = k 2^G (fp16, for W in phase 5) shares QT's exponential; it is held in registers through
+  // phase 3 (its buffer aliases G).  v is scaled to fp16 in place: each thread rewrites the segments
+  // it wrote (or cp.async'ed) in phase 1, and nobody reads v before phase 5.
+  const int shift_v = pow2_shift(__int_as_float(sMax[0]), 8);  // |v 2^-shift_v| < 2^8
+  const int shift_k = pow2_shift(__int_as_float(sMax[1]), 0);  // |kt 2^-shift_k| < 1
+  uint4 ktv[PASSES];
 #pragma unroll
   for (int pass = 0; pass < PASSES; ++pass) {
     const int r = rbase + pass * RPP;
-    float xq[8], xk[8], xd[8];
+    float xq[8], xk[8], xd[8], xv[8];
     load8_qk(sQ + r * ldh + c8, qk16, xq);
     load8_qk(sK + r * ldh + c8, qk16, xk);
+    load8_qk(sV + r * ldh + c8, false, xv);
+    const float sk = pow2i(-shift_k), sv = pow2i(-shift_v);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const float gg = sG[r * ldf + c8 + i], gl = sG[(kChunk - 1) * ldf + c8 + i];
-      xq[i] = scale * xq[i] * fast_exp2(gg);
+      const float e = fast_exp2(gg);
+      xq[i] = scale * xq[i] * e;
       xd[i] = xk[i] * fast_exp2(gl - gg) * kd_scale;
+      xk[i] *= sk * e;
+      xv[i] *= sv;
     }
     store8_bf16(rQT + r * D + c8, xq);
     *reinterpret_cast<uint4*>(rKD + r * D + c8) = make_uint4(pack_f16(xd[0], xd[1]), pack_f16(xd[2], xd[3]),
                                                              pack_f16(xd[4], xd[5]), pack_f16(xd[6], xd[7]));
+    ktv[pass] = make_uint4(pack_f16(xk[0], xk[1]), pack_f16(xk[2], xk[3]), pack_f16(xk[4], xk[5]),
+                           pack_f16(xk[6], xk[7]));
+    *reinterpret_cast<uint4*>(sV + r * ldh + c8) = make_uint4(pack_f16(xv[0], xv[1]), pack_f16(xv[2], xv[3]),
+                                                              pack_f16(xv[4], xv[5]), pack_f16(xv[6], xv[7]));
   }
   // Upper blocks of MQK are zero (the state pass multiplies the whole 64x64 tile).
   for (int e = tid; e < kChunk * kChunk / 8; e += kPrepareThreads) {
@@ -660,29 +675,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   }
   __syncthreads();
 
-  // ---- 4. kt over G, v to fp16, then T_inv = (I + L)^-1 over q and k ------------------------------
-  const int shift_v = pow2_shift(__int_as_float(sMax[0]), 8);  // |v 2^-shift_v| < 2^8
-  const int shift_k = pow2_shift(__int_as_float(sMax[1]), 0);  // |kt 2^-shift_k| < 1
-  uint4 ktv[PASSES];
-#pragma unroll
-  for (int pass = 0; pass < PASSES; ++pass) {
-    const int r = rbase + pass * RPP;
-    float xk[8], xv[8];
-    load8_qk(sK + r * ldh + c8, qk16, xk);
-    load8_qk(sV + r * ldh + c8, false, xv);
-    const float sk = pow2i(-shift_k), sv = pow2i(-shift_v);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      xk[i] *= sk * fast_exp2(sG[r * ldf + c8 + i]);
-      xv[i] *= sv;
-    }
-    ktv[pass] = make_uint4(pack_f16(xk[0], xk[1]), pack_f16(xk[2], xk[3]), pack_f16(xk[4], xk[5]),
-                           pack_f16(xk[6], xk[7]));
-    // v is rewritten in place by the thread that wrote it in phase 1: no other thread reads it yet.
-    *reinterpret_cast<uint4*>(sV + r * ldh + c8) = make_uint4(pack_f16(xv[0], xv[1]), pack_f16(xv[2], xv[3]),
-                                                              pack_f16(xv[4], xv[5]), pack_f16(xv[6], xv[7]));
-  }
-  __syncthreads();
+  // ---- 4. kt over G (phase 3 was G's last reader), then T_inv = (I + L)^-1 over q and k ----------
 #pragma unroll
   for (int pass = 0; pass < PASSES; ++pass) {
     *reinterpret_cast<uint4*>(sKt + (rbase + pass * RPP) * ldh + c8) = ktv[pass];
