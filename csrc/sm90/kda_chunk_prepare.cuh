@@ -30,8 +30,6 @@
 
 #include <cuda_fp16.h>
 
-#include <type_traits>
-
 #include "sm90/kda_common.cuh"
 
 namespace flashkda {
@@ -427,12 +425,12 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   float vmax = 0.f, kmax = 0.f, qn2max = 0.f, kn2max = 0.f;
 
   // ---- 1. load and preprocess -------------------------------------------------------------------
-  // When every input row is 16-byte aligned (the common case), the chunk's raw q, k, v and g rows are
-  // brought in by cp.async in one round trip: each thread copies exactly the 16-byte segments it
-  // preprocesses below, so its own wait_group orders them (no barrier).  q, k and v land in their
-  // final buffers; bf16 g is staged over L (dead until phase 3), fp32 g straight into G.  Otherwise
-  // each pass loads its rows from global memory.  The two variants are separate loops (not a branch
-  // per load) so that neither issues the other's predicated-off instructions.
+  // The chunk's raw q, k, v and g rows are first staged in shared memory: q, k and v in their final
+  // buffers, bf16 g over L (dead until phase 3), fp32 g straight into G.  Each thread stages exactly
+  // the 16-byte segments it preprocesses afterwards, so no barrier is needed in between.  When every
+  // row is 16-byte aligned (the common case) the staging is cp.async, one round trip for the whole
+  // chunk; otherwise a per-element copy loop (kept small and not unrolled: code size matters, the
+  // kernel is sensitive to instruction-cache misses).
   const bool gated = a.gate_mode != kGatePrecomputed;
   const bool staged = a.vec_q && a.vec_k && a.vec_v && a.vec_g;
   uint16_t* sGraw = reinterpret_cast<uint16_t*>(smem + SM::kL);  // bf16 g staging, pitch D
@@ -457,16 +455,41 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
       }
     }
     cp_async_commit();
+  } else {
+#pragma unroll 1
+    for (int pass = 0; pass < PASSES; ++pass) {
+      const int r = rbase + pass * RPP;
+      if (r >= rows) continue;
+      const int64_t tok = mapped_row(a, tok0 + r);
+      const uint16_t* q = reinterpret_cast<const uint16_t*>(a.q + sp.batch * a.q_sb + tok * a.q_st + h * D + c8);
+      const uint16_t* k = reinterpret_cast<const uint16_t*>(a.k + sp.batch * a.k_sb + tok * a.k_st + h * D + c8);
+      const uint16_t* v = reinterpret_cast<const uint16_t*>(a.v + sp.batch * a.v_sb + tok * a.v_st + h * D + c8);
+      const int64_t go = sp.batch * a.g_sb + tok * a.g_st + h * D + c8;
+#pragma unroll 1
+      for (int i = 0; i < 8; ++i) {
+        sQ[r * ldh + c8 + i] = q[i];
+        sK[r * ldh + c8 + i] = k[i];
+        sV[r * ldh + c8 + i] = v[i];
+        if (a.g_fp32) {
+          sG[r * ldf + c8 + i] = static_cast<const float*>(a.g)[go + i];
+        } else {
+          sGraw[r * D + c8 + i] = reinterpret_cast<const uint16_t*>(a.g)[go + i];
+        }
+      }
+    }
   }
-  // Per-row beta (one lane per row writes sB) and the head's gate parameters: in flight with the copies.
-  float braw[PASSES];
+  // Per-row beta as raw bits (converted after the loop, so that the loads of all passes are in
+  // flight together; a conversion inside the branch made each pass wait for its load), and the
+  // head's gate parameters: all in flight with the copies.
+  uint32_t bbits[PASSES];
 #pragma unroll
   for (int pass = 0; pass < PASSES; ++pass) {
     const int r = rbase + pass * RPP;
-    braw[pass] = 0.f;
+    bbits[pass] = 0u;
     if (c8 == 0 && r < rows) {
-      const int64_t tok = mapped_row(a, tok0 + r);
-      braw[pass] = load_scalar(a.beta, a.beta_fp32, sp.batch * a.beta_sb + tok * a.beta_st + h);
+      const int64_t bi = sp.batch * a.beta_sb + mapped_row(a, tok0 + r) * a.beta_st + h;
+      bbits[pass] = a.beta_fp32 ? static_cast<const uint32_t*>(a.beta)[bi]
+                                : static_cast<uint32_t>(static_cast<const uint16_t*>(a.beta)[bi]) << 16;
     }
   }
   const float expA_h = gated ? expf(a.A_log[h]) : 0.f;
@@ -475,95 +498,73 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   for (int i = 0; i < 8; ++i) dtb[i] = gated ? a.dt_bias[h * D + c8 + i] : 0.f;
   if (staged) cp_async_wait<0>();
 
-  auto preprocess_rows = [&](auto staged_tag) {
-    constexpr bool kStaged = decltype(staged_tag)::value;
 #pragma unroll
-    for (int pass = 0; pass < PASSES; ++pass) {
-      const int r = rbase + pass * RPP;
-      float xq[8], xk[8], xg[8], xv[8];
-      float b = 0.f;
-      if (r < rows) {
-        if (kStaged) {
-          load8_qk(sQ + r * ldh + c8, false, xq);
-          load8_qk(sK + r * ldh + c8, false, xk);
-          load8_qk(sV + r * ldh + c8, false, xv);
-          if (a.g_fp32) {
-            const float4 u0 = *reinterpret_cast<const float4*>(sG + r * ldf + c8),
-                         u1 = *reinterpret_cast<const float4*>(sG + r * ldf + c8 + 4);
-            xg[0] = u0.x, xg[1] = u0.y, xg[2] = u0.z, xg[3] = u0.w;
-            xg[4] = u1.x, xg[5] = u1.y, xg[6] = u1.z, xg[7] = u1.w;
-          } else {
-            load8_qk(sGraw + r * D + c8, false, xg);
-          }
-        } else {
-          const int64_t tok = mapped_row(a, tok0 + r);
-          load8_bf16(a.q + sp.batch * a.q_sb + tok * a.q_st + h * D + c8, false, xq);
-          load8_bf16(a.k + sp.batch * a.k_sb + tok * a.k_st + h * D + c8, false, xk);
-          load8_bf16(a.v + sp.batch * a.v_sb + tok * a.v_st + h * D + c8, false, xv);
-          const int64_t go = sp.batch * a.g_sb + tok * a.g_st + h * D + c8;
-          if (a.g_fp32) {
-            const float* gp = static_cast<const float*>(a.g) + go;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) xg[i] = gp[i];
-          } else {
-            load8_bf16(static_cast<const bf16*>(a.g) + go, false, xg);
-          }
-        }
-        b = a.beta_sigmoid ? sigmoidf_(braw[pass]) : braw[pass];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          xg[i] = gate_log_decay(a.gate_mode, xg[i], expA_h, dtb[i], a.lower_bound) * kLog2e;
-          vmax = fmaxf(vmax, fabsf(xv[i]));
-        }
+  for (int pass = 0; pass < PASSES; ++pass) {
+    const int r = rbase + pass * RPP;
+    float xq[8], xk[8], xg[8], xv[8];
+    float b = 0.f;
+    if (r < rows) {
+      load8_qk(sQ + r * ldh + c8, false, xq);
+      load8_qk(sK + r * ldh + c8, false, xk);
+      load8_qk(sV + r * ldh + c8, false, xv);
+      if (a.g_fp32) {
+        const float4 u0 = *reinterpret_cast<const float4*>(sG + r * ldf + c8),
+                     u1 = *reinterpret_cast<const float4*>(sG + r * ldf + c8 + 4);
+        xg[0] = u0.x, xg[1] = u0.y, xg[2] = u0.z, xg[3] = u0.w;
+        xg[4] = u1.x, xg[5] = u1.y, xg[6] = u1.z, xg[7] = u1.w;
       } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) xq[i] = xk[i] = xg[i] = xv[i] = 0.f;
+        load8_qk(sGraw + r * D + c8, false, xg);
       }
-      float sq = 0.f, sk = 0.f;  // row norms^2; the TPR lanes of a row are adjacent
+      const float braw = __uint_as_float(bbits[pass]);  // bf16 bits sit in the high half
+      b = a.beta_sigmoid ? sigmoid_approx(braw) : braw;
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        sq += xq[i] * xq[i];
-        sk += xk[i] * xk[i];
+        xg[i] = gate_log_decay_approx(a.gate_mode, xg[i], expA_h, dtb[i], a.lower_bound) * kLog2e;
+        vmax = fmaxf(vmax, fabsf(xv[i]));
       }
+    } else {
 #pragma unroll
-      for (int o = TPR / 2; o > 0; o >>= 1) {
-        sq += __shfl_xor_sync(0xffffffffu, sq, o);
-        sk += __shfl_xor_sync(0xffffffffu, sk, o);
-      }
-      qn2max = fmaxf(qn2max, qk16 ? 1.f : sq);
-      kn2max = fmaxf(kn2max, qk16 ? 1.f : sk);
-      if (qk16) {  // x / sqrt(sum x^2 + 1e-6)
-        const float iq = rsqrtf(sq + 1e-6f), ik = rsqrtf(sk + 1e-6f);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          xq[i] *= iq;
-          xk[i] *= ik;
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < 8; ++i) kmax = fmaxf(kmax, fabsf(xk[i]));
-      uint4 uq, uk;
-      uq.x = pack_qk(xq[0], xq[1], qk16);
-      uq.y = pack_qk(xq[2], xq[3], qk16);
-      uq.z = pack_qk(xq[4], xq[5], qk16);
-      uq.w = pack_qk(xq[6], xq[7], qk16);
-      uk.x = pack_qk(xk[0], xk[1], qk16);
-      uk.y = pack_qk(xk[2], xk[3], qk16);
-      uk.z = pack_qk(xk[4], xk[5], qk16);
-      uk.w = pack_qk(xk[6], xk[7], qk16);
-      *reinterpret_cast<uint4*>(sQ + r * ldh + c8) = uq;
-      *reinterpret_cast<uint4*>(sK + r * ldh + c8) = uk;
-      *reinterpret_cast<float4*>(sG + r * ldf + c8) = make_float4(xg[0], xg[1], xg[2], xg[3]);
-      *reinterpret_cast<float4*>(sG + r * ldf + c8 + 4) = make_float4(xg[4], xg[5], xg[6], xg[7]);
-      // Staged v is already the raw bf16 in place; rows past the end are zeroed either way.
-      if (!kStaged || r >= rows) store8_bf16(reinterpret_cast<bf16*>(sV + r * ldh + c8), xv);
-      if (c8 == 0) sB[r] = b;
+      for (int i = 0; i < 8; ++i) xq[i] = xk[i] = xg[i] = xv[i] = 0.f;
     }
-  };
-  if (staged) {
-    preprocess_rows(std::true_type{});
-  } else {
-    preprocess_rows(std::false_type{});
+    float sq = 0.f, sk = 0.f;  // row norms^2; the TPR lanes of a row are adjacent
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      sq += xq[i] * xq[i];
+      sk += xk[i] * xk[i];
+    }
+#pragma unroll
+    for (int o = TPR / 2; o > 0; o >>= 1) {
+      sq += __shfl_xor_sync(0xffffffffu, sq, o);
+      sk += __shfl_xor_sync(0xffffffffu, sk, o);
+    }
+    qn2max = fmaxf(qn2max, qk16 ? 1.f : sq);
+    kn2max = fmaxf(kn2max, qk16 ? 1.f : sk);
+    if (qk16) {  // x / sqrt(sum x^2 + 1e-6)
+      const float iq = rsqrtf(sq + 1e-6f), ik = rsqrtf(sk + 1e-6f);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        xq[i] *= iq;
+        xk[i] *= ik;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) kmax = fmaxf(kmax, fabsf(xk[i]));
+    uint4 uq, uk;
+    uq.x = pack_qk(xq[0], xq[1], qk16);
+    uq.y = pack_qk(xq[2], xq[3], qk16);
+    uq.z = pack_qk(xq[4], xq[5], qk16);
+    uq.w = pack_qk(xq[6], xq[7], qk16);
+    uk.x = pack_qk(xk[0], xk[1], qk16);
+    uk.y = pack_qk(xk[2], xk[3], qk16);
+    uk.z = pack_qk(xk[4], xk[5], qk16);
+    uk.w = pack_qk(xk[6], xk[7], qk16);
+    *reinterpret_cast<uint4*>(sQ + r * ldh + c8) = uq;
+    *reinterpret_cast<uint4*>(sK + r * ldh + c8) = uk;
+    *reinterpret_cast<float4*>(sG + r * ldf + c8) = make_float4(xg[0], xg[1], xg[2], xg[3]);
+    *reinterpret_cast<float4*>(sG + r * ldf + c8 + 4) = make_float4(xg[4], xg[5], xg[6], xg[7]);
+    // Staged v is the raw bf16 in place already; rows past the end are zeroed.
+    if (r >= rows) *reinterpret_cast<uint4*>(sV + r * ldh + c8) = make_uint4(0u, 0u, 0u, 0u);
+    if (c8 == 0) sB[r] = b;
   }
   __syncthreads();
 

@@ -321,6 +321,21 @@ __device__ inline float gate_log_decay(int mode, float g, float exp_A_log_h, flo
   return -exp_A_log_h * softplusf_(x);
 }
 
+// The same with the SFU reciprocal (rcp.approx, ~1 ulp) instead of the IEEE-rounded __frcp_rn,
+// whose refinement and slow-path branch cost ~8 instructions per element in chunk_prepare's gate.
+__device__ inline float sigmoid_approx(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(1.0f + __expf(-x)));
+  return y;
+}
+__device__ inline float gate_log_decay_approx(int mode, float g, float exp_A_log_h, float dt_bias_hk,
+                                              float lower_bound) {
+  if (mode == kGatePrecomputed) return g;
+  const float x = g + dt_bias_hk;
+  if (mode == kGateBounded) return lower_bound * sigmoid_approx(exp_A_log_h * x);
+  return -exp_A_log_h * softplusf_(x);
+}
+
 __device__ inline float load_scalar(const void* p, int is_fp32, int64_t i) {
   return is_fp32 ? static_cast<const float*>(p)[i] : __bfloat162float(static_cast<const bf16*>(p)[i]);
 }
