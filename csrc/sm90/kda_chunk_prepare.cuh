@@ -478,18 +478,25 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
       }
     }
   }
-  // Per-row beta as raw bits (converted after the loop, so that the loads of all passes are in
-  // flight together; a conversion inside the branch made each pass wait for its load), and the
-  // head's gate parameters: all in flight with the copies.
+  // Per-row beta as raw bits and the head's gate parameters, all in flight with the copies.  Rows
+  // past the end load the last row (never used) so that the loads carry no branch: a load inside
+  // a per-pass branch made each pass wait for its own round trip.
   uint32_t bbits[PASSES];
+  {
+    int64_t bi[PASSES];
 #pragma unroll
-  for (int pass = 0; pass < PASSES; ++pass) {
-    const int r = rbase + pass * RPP;
-    bbits[pass] = 0u;
-    if (c8 == 0 && r < rows) {
-      const int64_t bi = sp.batch * a.beta_sb + mapped_row(a, tok0 + r) * a.beta_st + h;
-      bbits[pass] = a.beta_fp32 ? static_cast<const uint32_t*>(a.beta)[bi]
-                                : static_cast<uint32_t>(static_cast<const uint16_t*>(a.beta)[bi]) << 16;
+    for (int pass = 0; pass < PASSES; ++pass) {
+      const int r = rbase + pass * RPP;
+      bi[pass] = sp.batch * a.beta_sb + mapped_row(a, tok0 + (r < rows ? r : rows - 1)) * a.beta_st + h;
+    }
+    if (a.beta_fp32) {
+#pragma unroll
+      for (int pass = 0; pass < PASSES; ++pass) bbits[pass] = static_cast<const uint32_t*>(a.beta)[bi[pass]];
+    } else {  // bf16 bits in the high half are the same value as fp32
+#pragma unroll
+      for (int pass = 0; pass < PASSES; ++pass) bbits[pass] = static_cast<const uint16_t*>(a.beta)[bi[pass]];
+#pragma unroll
+      for (int pass = 0; pass < PASSES; ++pass) bbits[pass] <<= 16;
     }
   }
   const float expA_h = gated ? expf(a.A_log[h]) : 0.f;
