@@ -362,7 +362,8 @@ __device__ inline void tinv_level(const float* sL, float* sTi, float* sX, int wa
 // slot is <= it, minus one (first slots increase for valid cu_seqlens; invalid ones are flagged by
 // validate_device_inputs and the state pass then writes nothing).  One parallel round of loads
 // instead of a chain of log2(N) dependent ones at every block's start.
-__device__ inline bool slot_to_chunk_block(const PrefillArgs& a, int64_t slot, int64_t* n_out, int64_t* c_out) {
+__device__ inline bool slot_to_chunk_block(const PrefillArgs& a, int64_t slot, int64_t* n_out,
+                                           int64_t* c_out) {
   if (!a.cu_seqlens) return slot_to_chunk(a, slot, n_out, c_out);
   int64_t count = 0;
   for (int64_t base = 0; base < a.N; base += kPrepareThreads) {
@@ -461,9 +462,12 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
       const int r = rbase + pass * RPP;
       if (r >= rows) continue;
       const int64_t tok = mapped_row(a, tok0 + r);
-      const uint16_t* q = reinterpret_cast<const uint16_t*>(a.q + sp.batch * a.q_sb + tok * a.q_st + h * D + c8);
-      const uint16_t* k = reinterpret_cast<const uint16_t*>(a.k + sp.batch * a.k_sb + tok * a.k_st + h * D + c8);
-      const uint16_t* v = reinterpret_cast<const uint16_t*>(a.v + sp.batch * a.v_sb + tok * a.v_st + h * D + c8);
+      const uint16_t* q =
+          reinterpret_cast<const uint16_t*>(a.q + sp.batch * a.q_sb + tok * a.q_st + h * D + c8);
+      const uint16_t* k =
+          reinterpret_cast<const uint16_t*>(a.k + sp.batch * a.k_sb + tok * a.k_st + h * D + c8);
+      const uint16_t* v =
+          reinterpret_cast<const uint16_t*>(a.v + sp.batch * a.v_sb + tok * a.v_st + h * D + c8);
       const int64_t go = sp.batch * a.g_sb + tok * a.g_st + h * D + c8;
 #pragma unroll 1
       for (int i = 0; i < 8; ++i) {
@@ -717,7 +721,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     for (int k = 0; k < kTbPairs; ++k) {
       const int i = warp + 8 * k, j = 2 * lane;
       const bool lower = (j / 16) <= (i / 16);
-      tbv[k] = lower ? make_float2(sTi[i * ldt + j] * bj.x, sTi[i * ldt + j + 1] * bj.y) : make_float2(0.f, 0.f);
+      tbv[k] =
+          lower ? make_float2(sTi[i * ldt + j] * bj.x, sTi[i * ldt + j + 1] * bj.y) : make_float2(0.f, 0.f);
       tmax = fmaxf(tmax, fmaxf(fabsf(tbv[k].x), fabsf(tbv[k].y)));
     }
 #pragma unroll
@@ -730,7 +735,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     const float st = pow2i(-shift_t);
 #pragma unroll
     for (int k = 0; k < kTbPairs; ++k) {
-      *reinterpret_cast<uint32_t*>(sTb + (warp + 8 * k) * ldtb + 2 * lane) = pack_f16(tbv[k].x * st, tbv[k].y * st);
+      *reinterpret_cast<uint32_t*>(sTb + (warp + 8 * k) * ldtb + 2 * lane) =
+          pack_f16(tbv[k].x * st, tbv[k].y * st);
     }
   }
   __syncthreads();
@@ -788,7 +794,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     }
   };
   static_assert(kPrepareThreads == 256, "the deal below assumes 8 warps");
-  if constexpr (D == 128) {  // UT: row tile = warp (24); W: 32 columns (warp % 4), blocks {3, 0} or {2, 1} (20)
+  if constexpr (D ==
+                128) {  // UT: row tile = warp (24); W: 32 columns (warp % 4), blocks {3, 0} or {2, 1} (20)
     ut_item(warp, 0);
     ut_item(warp, 1);
     w_item(warp < 4 ? 3 : 2, warp & 3);
