@@ -2,13 +2,15 @@
 //
 // Grid: (chunk slots, H).  Block: 256 threads = 8 warps, no warp specialisation; phases are
 // separated by __syncthreads:
-//   1. load q, k, g, v, beta of the chunk with all loads in flight at once (rows past the sequence
+//   1. stage the raw q, k, v, g rows of the chunk in shared memory by cp.async (one round trip;
+//      per-element copies when a row is not 16-byte aligned), beta alongside (rows past the sequence
 //      end are zero: inert tokens); l2-normalise q and k in registers (shuffles inside the 16 lanes
 //      that hold a row), gate -> log decay (log2 units), beta; cumulative decay G by a two-level scan.
 //      q and k are kept as fp16 when l2-normalised (|x| <= 1: 8x finer than bf16) and as the raw bf16
 //      otherwise (exact).
 //   2. write QT = scale q 2^G, KD = k 2^(G_last - G) (fp16, shifted), gamma = 2^G_last to the chunk
-//      record.  Every exponent here is <= 0.
+//      record; kt = k 2^G (fp16, held in registers until G is dead) and v to fp16 in place.  Every
+//      exponent here is <= 0.
 //   3. L = strict_lower(diag(b) kt kb^T) and MQK = lower_incl(qt kb^T) on tensor cores, per 16x16
 //      block (I, J).  Off-diagonal blocks use the reference row 16I-1 (the row before block I):
 //      A = k_i 2^(G_i - G_ref), B = k_j 2^(G_ref - G_j), both <= 1 for any gate.  Diagonal blocks use
@@ -16,14 +18,15 @@
 //      The diagonal blocks carry the largest entries of L and MQK, so their factors go through
 //      tf32 mma (fp32 range, 10-bit mantissa) rather than bf16.  MQK is stored fp16 with a
 //      power-of-two shift from the bound scale |q_i| |k_j|.
-//   4. kt = k 2^G (fp16) replaces G; T_inv = (I + L)^-1 in fp32 replaces q, k: 16x16 diagonal blocks
-//      by forward substitution (one warp each), then the off-diagonal blocks level by level,
-//      T_IJ = -T_II sum_M L_IM T_MJ.
+//   4. kt replaces G; T_inv = (I + L)^-1 replaces q, k: 16x16 diagonal blocks by fp32 forward
+//      substitution (one warp each), then the off-diagonal blocks level by level on tf32 mma (one
+//      warp per block), T_IJ = -T_II sum_M L_IM T_MJ.
 //   5. W = (T_inv diag(b)) kt and UT = (T_inv diag(b) v)^T as fp16 mma's: v, kt and T_inv diag(b) are
 //      each scaled by a power of two chosen from their block maximum so that every operand and the
 //      U result fit fp16 for any finite input (|v'| < 2^8, |kt'| < 1, |Tb'| < 2, |U'| < 2^15); the
 //      scales are exact and undone on W (fp32 accumulator) and recorded for UT (stored fp16).  fp16's
-//      11-bit mantissa on v and T_inv is what keeps the state error well under bf16's.
+//      11-bit mantissa on v and T_inv is what keeps the state error well under bf16's.  The work is
+//      dealt so that every warp issues the same number of mma.
 // Shared memory (D = 128): q, k 16-bit 2 x 17.4 KB (later T_inv fp32 + fp16), G fp32 33.8 KB (later
 // kt), v 17.4 KB, L fp32 16.6 KB: about 103 KB, two blocks per SM.
 #pragma once
