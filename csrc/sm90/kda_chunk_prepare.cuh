@@ -530,10 +530,10 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
         load8_qk(sGraw + r * D + c8, false, xg);
       }
       const float braw = __uint_as_float(bbits[pass]);  // bf16 bits sit in the high half
-      b = a.beta_sigmoid ? sigmoid_approx(braw) : braw;
+      b = a.beta_sigmoid ? sigmoidf_<true>(braw) : braw;
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        xg[i] = gate_log_decay_approx(a.gate_mode, xg[i], expA_h, dtb[i], a.lower_bound) * kLog2e;
+        xg[i] = gate_log_decay<true>(a.gate_mode, xg[i], expA_h, dtb[i], a.lower_bound) * kLog2e;
         vmax = fmaxf(vmax, fabsf(xv[i]));
       }
     } else {
