@@ -1,10 +1,14 @@
 """Summarises an Nsight Compute per-instruction source page (csv, from
 `ncu -i REPORT --page source --csv --print-source sass`; scripts/profile_decode_source.sh writes one
-per case): total stall samples by reason, then the instructions with the most samples, then samples
+per case, scripts/profile_prefill_source.sh one per kernel): total stall samples by reason, then the instructions with the most samples, then samples
 grouped by execution count (instructions executed equally often belong to the same loop of the same
-warp role, so this splits the time between roles without source line information).
+warp role, so this splits the time between roles without source line information).  --phases also
+splits the kernel at its barriers and exits (BAR, EXIT, RET in program order): for a kernel whose
+phases are separated by __syncthreads, such as chunk_prepare, that is the time per phase, with its
+instruction count, main stall reasons and opcodes.  (ncu's per-CUDA-line page carries no metrics in
+csv form, hence this.)
 
-    python3 scripts/ncu_source_summary.py CASE_sass.csv [--top 25]
+    python3 scripts/ncu_source_summary.py CASE_sass.csv [--top 25] [--phases]
 """
 import argparse
 import collections
@@ -15,6 +19,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("csv")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--phases", action="store_true", help="samples per barrier-delimited segment")
     args = ap.parse_args()
     rows = list(csv.reader(open(args.csv)))
     head = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
@@ -49,6 +54,28 @@ def main():
     print("\nsamples by execution count (executions: instructions, share):")
     for e, s in groups.most_common(12):
         print(f"  {e:10d}: {count[e]:5d} instructions, {s / total:6.1%}")
+    if args.phases:
+        print("\nsegments ending at a barrier or exit (first-last index, share, instructions executed, "
+              "main stall reasons, most executed opcodes):")
+        start = 0
+        def opcode(r):  # "@!P0 BAR.SYNC ..." -> "BAR.SYNC"
+            words = [w for w in r[ix["Source"]].split() if not w.startswith("@")]
+            return words[0] if words else ""
+
+        for i, r in enumerate(data):
+            if i + 1 < len(data) and not opcode(r).startswith(("BAR", "EXIT", "RET")):
+                continue
+            seg = data[start:i + 1]
+            share = sum(num(x, col_s) for x in seg) / total
+            if share >= 0.005:
+                stalls = collections.Counter({k[6:]: sum(num(x, ix[k]) for x in seg) for k in reasons})
+                ops = collections.Counter()
+                for x in seg:
+                    ops[opcode(x).split(".")[0]] += num(x, col_e)
+                print(f"  {start:5d}-{i:5d} {share:6.1%} {int(sum(num(x, col_e) for x in seg)):11d}  "
+                      + ", ".join(f"{k} {int(v)}" for k, v in stalls.most_common(3)) + " | "
+                      + ", ".join(f"{k} {int(v)}" for k, v in ops.most_common(5)))
+            start = i + 1
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Nsight Compute profiles of the prefill kernels with source-level stall sampling, for finding
 # which phase of a kernel the time goes to.  One device call: builds (unless SKIP_BUILD=1), then per
-# kernel a report, its details page, its per-instruction page (sass csv) and its per-CUDA-line page
-# (the kernels are built with -lineinfo); everything in $OUT/prof_prefill.tgz.
+# kernel a report, its details page and its per-instruction page (sass csv), summarised per
+# instruction and per barrier-delimited phase (ncu_source_summary.py --phases); everything in
+# $OUT/prof_prefill.tgz.
 #   KERNELS="chunk_prepare state_recurrence" CASE=0 bash scripts/profile_prefill_source.sh
 # CASE indexes bench/bench_prefill.py CASES (0: 8x2048 H16).
 set -uo pipefail
@@ -23,11 +24,9 @@ for k in ${KERNELS:-chunk_prepare state_recurrence}; do
     -f -o "$P/$tag" python3 scripts/profile_case.py "${CASE:-0}" > "$P/${tag}_run.txt" 2>&1
   ncu -i "$P/$tag.ncu-rep" --page details > "$P/${tag}_details.txt" 2>&1
   ncu -i "$P/$tag.ncu-rep" --page source --csv --print-source sass > "$P/${tag}_sass.csv" 2>&1
-  ncu -i "$P/$tag.ncu-rep" --page source --csv --print-source cuda > "$P/${tag}_cuda.csv" 2>&1
   grep -E "Duration|Elapsed Cycles|Issued Warp|No Eligible|Warp Cycles Per Issued|Registers|Achieved Occ" \
     "$P/${tag}_details.txt" | sed "s/^/$tag: /"
-  python3 scripts/ncu_source_summary.py "$P/${tag}_sass.csv" --top 15 | sed "s/^/$tag: /"
-  python3 scripts/ncu_line_summary.py "$P/${tag}_cuda.csv" --top 40 | sed "s/^/$tag: /"
+  python3 scripts/ncu_source_summary.py "$P/${tag}_sass.csv" --top 15 --phases | sed "s/^/$tag: /"
 done
 tar czf "$OUT/prof_prefill.tgz" -C /tmp prof_prefill
 echo "total: $(( $(date +%s) - t0 )) s"
