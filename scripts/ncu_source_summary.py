@@ -1,12 +1,12 @@
 """Summarises an Nsight Compute per-instruction source page (csv, from
 `ncu -i REPORT --page source --csv --print-source sass`; scripts/profile_decode_source.sh writes one
 per case, scripts/profile_prefill_source.sh one per kernel): total stall samples by reason, then the
-instructions with the most samples, then samples grouped by execution count (instructions executed equally often belong to the same loop of the same
-warp role, so this splits the time between roles without source line information).  --phases also
-splits the kernel at its barriers and exits (BAR, EXIT, RET in program order): for a kernel whose
-phases are separated by __syncthreads, such as chunk_prepare, that is the time per phase, with its
-instruction count, main stall reasons and opcodes.  (ncu's per-CUDA-line page carries no metrics in
-csv form, hence this.)
+instructions with the most samples, then samples grouped by execution count (instructions executed
+equally often belong to the same loop of the same warp role, so this splits the time between roles
+without source line information).  --phases also splits the kernel at its barriers and exits (BAR,
+EXIT, RET in program order): for a kernel whose phases are separated by __syncthreads, such as
+chunk_prepare, that is the time per phase, with its instruction count, main stall reasons and
+opcodes.  (ncu's per-CUDA-line page carries no metrics in csv form, hence this.)
 
     python3 scripts/ncu_source_summary.py CASE_sass.csv [--top 25] [--phases]
 """
