@@ -13,7 +13,7 @@ import torch
 
 import flashkda
 from flashkda import reference as R
-from kda_helpers import BF16, make_inputs, op_kwargs, rel_err
+from kda_helpers import BF16, make_inputs, op_kwargs, rel_err, strided_copy
 
 
 def _sm90():
@@ -125,39 +125,38 @@ def test_fp32_gate_and_beta_int64_cu(gen):
     judge(gen, inp, out, fs, SPEC_OUT, SPEC_STATE)
 
 
-def test_row_strided_inputs(gen):
-    inp = make_inputs([100, 1, 77], H=4, D=128, device=DEV, strided=True, generator=gen)
-    assert not inp["q"].is_contiguous()
-    out, fs = poisoned_outputs(inp)
-    run(inp, out, fs)
-    judge(gen, inp, out, fs, SPEC_OUT, SPEC_STATE)
-    dense = dict(inp)
-    for name in ("q", "k", "v", "g", "beta"):
-        dense[name] = inp[name].contiguous()
-    out2, fs2 = poisoned_outputs(inp)
+def check_layout_matches_dense(gen, layout, dense):
+    """The same values in two memory layouts: the first is judged against the reference, and both
+    must give bitwise-equal results (the kernels do the same arithmetic for either layout)."""
+    out, fs = poisoned_outputs(dense)
+    run(layout, out, fs)
+    judge(gen, layout, out, fs, SPEC_OUT, SPEC_STATE)
+    out2, fs2 = poisoned_outputs(dense)
     run(dense, out2, fs2)
     torch.cuda.synchronize()
     assert torch.equal(out, out2) and torch.equal(fs, fs2)
+
+
+def test_row_strided_inputs(gen):
+    inp = make_inputs([100, 1, 77], H=4, D=128, device=DEV, strided=True, generator=gen)
+    assert not inp["q"].is_contiguous()
+    dense = dict(inp)
+    for name in ("q", "k", "v", "g", "beta"):
+        dense[name] = inp[name].contiguous()
+    check_layout_matches_dense(gen, inp, dense)
 
 
 @pytest.mark.parametrize("misaligned", ["all", "g"])
 def test_unaligned_rows_take_the_unstaged_path(gen, misaligned):
     """Rows that are not 16-byte aligned cannot be copied by cp.async: chunk_prepare loads them per
     element instead.  Both paths do the same arithmetic, so the results are bitwise equal."""
-    from kda_helpers import strided_copy
     inp = make_inputs([100, 1, 77], H=4, D=128, device=DEV, generator=gen)
     names = ("q", "k", "v", "g") if misaligned == "all" else ("g",)
     odd = dict(inp)
     for name in names:
         odd[name] = strided_copy(inp[name], pad=24, offset=1)  # 2-byte offset (4 for fp32 g)
         assert odd[name].data_ptr() % 16 != 0
-    out, fs = poisoned_outputs(inp)
-    run(odd, out, fs)
-    judge(gen, inp, out, fs, SPEC_OUT, SPEC_STATE)
-    out2, fs2 = poisoned_outputs(inp)
-    run(inp, out2, fs2)
-    torch.cuda.synchronize()
-    assert torch.equal(out, out2) and torch.equal(fs, fs2)
+    check_layout_matches_dense(gen, odd, inp)
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
