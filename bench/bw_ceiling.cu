@@ -164,24 +164,12 @@ __global__ void __launch_bounds__(160) rmw_tma_kernel(float* pool, const int* ro
 
 template <class F>
 static float time_us(F&& launch, int iters) {
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
   for (int i = 0; i < 3; ++i) launch();
-  std::vector<float> t;
-  for (int r = 0; r < 7; ++r) {
-    CHECK(cudaEventRecord(a));
-    for (int i = 0; i < iters; ++i) launch();
-    CHECK(cudaEventRecord(b));
-    CHECK(cudaEventSynchronize(b));
-    float ms = 0.f;
-    CHECK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms * 1e3f / iters);
-  }
-  std::sort(t.begin(), t.end());
-  CHECK(cudaEventDestroy(a));
-  CHECK(cudaEventDestroy(b));
-  return t[t.size() / 2];
+  return median_event_us(
+      [&] {
+        for (int i = 0; i < iters; ++i) launch();
+      },
+      0, 7, iters);
 }
 
 int main(int argc, char** argv) {

@@ -14,10 +14,8 @@
 //   -o /tmp/latency_floor && /tmp/latency_floor
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <vector>
 
 #include "cuda_check.h"
 
@@ -60,25 +58,12 @@ static float graph_us(F&& launch) {
   for (int i = 0; i < kCalls; ++i) launch(st);
   CHECK(cudaStreamEndCapture(st, &g));
   CHECK(cudaGraphInstantiate(&ge, g, 0));
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
   for (int i = 0; i < 5; ++i) CHECK(cudaGraphLaunch(ge, st));
-  std::vector<float> t;
-  for (int r = 0; r < 350; ++r) {
-    CHECK(cudaEventRecord(a, st));
-    CHECK(cudaGraphLaunch(ge, st));
-    CHECK(cudaEventRecord(b, st));
-    CHECK(cudaEventSynchronize(b));
-    float ms = 0.f;
-    CHECK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms * 1e3f / kCalls);
-  }
-  std::sort(t.begin(), t.end());
+  const float us = median_event_us([&] { CHECK(cudaGraphLaunch(ge, st)); }, st, 350, kCalls);
   CHECK(cudaGraphExecDestroy(ge));
   CHECK(cudaGraphDestroy(g));
   CHECK(cudaStreamDestroy(st));
-  return t[t.size() / 2];
+  return us;
 }
 
 template <class K, class... Args>
