@@ -258,6 +258,12 @@ def main():
                 row["fla_us"] = time_profiler(fla_fn(x), 10)
             except Exception as e:
                 print(f"fla failed on {name}: {e}")
+        if len(lens) * H <= 32:  # the context-parallel choice: also time the sequence-parallel walk
+            os.environ["FLASHKDA_PREFILL_SEGMENT_CHUNKS"] = "off"
+            row["ours_no_cp_us"], _ = time_graph(Ours(x, H), args.iters)
+            row["ours_no_cp_kernels_us"] = kernel_times(Ours(x, H), 5)
+            del os.environ["FLASHKDA_PREFILL_SEGMENT_CHUNKS"]
+            print(f"    without context parallelism: {row['ours_no_cp_us']:.1f} us")
         row["x_floor"] = row["ours_us"] / row["floor_us"]
         row["speedup_vs_fla"] = (row["fla_us"] / row["ours_us"]) if row["fla_us"] else None
         rows.append(row)

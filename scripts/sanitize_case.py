@@ -1,4 +1,6 @@
 """A small varlen prefill with empty and short sequences, for compute-sanitizer (memcheck/racecheck)."""
+import os
+
 import torch
 
 import flashkda
@@ -56,3 +58,22 @@ for pool_dtype in (torch.float32, torch.bfloat16):
                               slots[:, 0].contiguous(), A_log=A_log, dt_bias=dt_bias, workspace=dws)
     torch.cuda.synchronize()
     print("decode", pool_dtype, "device error", flashkda.read_device_error(dws))
+
+# Context-parallel prefill (segment maps, segment_scan, segment walks), forced with segments of 1 chunk
+# over the same sequences, in place on a pool with a padded sequence, D = 128 and D = 64.
+os.environ["FLASHKDA_PREFILL_SEGMENT_CHUNKS"] = "1"
+for Dc in (128, 64):
+    qc, kc, vc, gc = (torch.randn(1, T, H, Dc, device="cuda").bfloat16() for _ in range(4))
+    dtb = torch.rand(H, Dc, device="cuda")
+    poolc = 0.1 * torch.randn(P, H, Dc, Dc, device="cuda")
+    pool_ref = poolc.clone()
+    outc = torch.full((1, T, H, Dc), float("nan"), device="cuda", dtype=torch.bfloat16)
+    wsc = torch.empty(flashkda.get_workspace_size(T, H, N), dtype=torch.uint8, device="cuda")
+    flashkda.prefill(qc, kc, vc, gc, beta, outc, wsc, A_log=A_log, dt_bias=dtb, initial_state=poolc,
+                     final_state=poolc, cu_seqlens=cu, state_indices=idx)
+    torch.cuda.synchronize()
+    o_ref, s_ref = ref.prefill(qc, kc, vc, gc, beta, scale=Dc ** -0.5, A_log=A_log, dt_bias=dtb, lower_bound=-5.0,
+                               initial_state=pool_ref, cu_seqlens=cu, state_indices=idx)
+    print(f"context-parallel D={Dc}: out rel", ref.rel_err(outc, o_ref), "device error",
+          flashkda.read_device_error(wsc))
+del os.environ["FLASHKDA_PREFILL_SEGMENT_CHUNKS"]

@@ -1,5 +1,7 @@
 // Public API entry points: workspace sizing and dispatch of run() to the CPU reference or the
 // sm90 kernels.  Validation lives in validate.cpp; the CUDA side in cuda_runtime_glue.cu.
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include "flashkda/flashkda.h"
@@ -8,13 +10,41 @@
 
 namespace flashkda {
 
+namespace detail {
+
+int64_t forced_segment_chunks() {
+  const char* e = std::getenv("FLASHKDA_PREFILL_SEGMENT_CHUNKS");
+  if (e == nullptr) return 0;
+  if (std::strcmp(e, "off") == 0) return -1;
+  const long long v = std::atoll(e);
+  return v > 0 ? static_cast<int64_t>(v) : 0;
+}
+
+size_t segment_area_bytes(int64_t total_tokens, int64_t num_heads, int64_t num_seqs, int64_t head_dim) {
+  const int64_t forced = forced_segment_chunks();
+  int64_t seg_chunks = kCpMinSegmentChunks, seqs = num_seqs;
+  if (forced < 0) return 0;
+  if (forced > 0) {
+    seg_chunks = forced;
+  } else {
+    if (num_heads <= 0 || num_heads > kCpMaxSeqHeads) return 0;
+    seqs = std::min(num_seqs, kCpMaxSeqHeads / num_heads);
+  }
+  const int64_t slots = total_tokens / (seg_chunks * kChunkTokens) + seqs;
+  return static_cast<size_t>(slots) * static_cast<size_t>(num_heads) * 3 *
+         static_cast<size_t>(head_dim * head_dim) * sizeof(float);
+}
+
+}  // namespace detail
+
 size_t workspace_size(int64_t total_tokens, int64_t num_heads, int64_t num_seqs, int64_t head_dim) {
-  // Header (device error word) + one chunk record per (chunk slot, head).  The slot count bound
-  // total/C + N + 1 covers both varlen (see sm90::num_chunk_slots) and fixed-length batches.
+  // Header (device error words), one chunk record per (chunk slot, head) (the slot count bound
+  // total/C + N + 1 covers both varlen, see sm90::num_chunk_slots, and fixed-length batches), then
+  // the context-parallel area.
   if (total_tokens < 0 || num_heads < 0 || num_seqs < 0) return detail::kWorkspaceHeaderBytes;
-  const int64_t slots = total_tokens / detail::kChunkTokens + num_seqs + 1;
   return detail::kWorkspaceHeaderBytes +
-         static_cast<size_t>(slots) * static_cast<size_t>(num_heads) * detail::chunk_record_bytes(head_dim);
+         detail::record_area_bytes(total_tokens, num_heads, num_seqs, head_dim) +
+         detail::segment_area_bytes(total_tokens, num_heads, num_seqs, head_dim);
 }
 
 size_t workspace_size(const PrefillParams& p) {

@@ -2,6 +2,7 @@
 // validated PrefillParams into the kernels' argument block.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -178,6 +179,22 @@ void fill_token_args(Args* a, const Params& p, int64_t head_dim, void* workspace
   a->error_word = static_cast<int*>(workspace);
 }
 
+// Segment length (chunks) of the context-parallel recurrence, 0 for the sequence-parallel one.
+// With few sequences x heads the walk uses N H D / 64 blocks of the GPU's SMs; cutting each
+// sequence into sms / (N H D / 64) segments fills them (the map pass does twice the rows, the
+// apply pass the usual ones).  Segments are at least kCpMinSegmentChunks long (the workspace
+// bound), and a sequence must have two of them for the split to pay.
+int64_t segment_chunks(const ProblemShape& shape, int sms) {
+  const int64_t forced = forced_segment_chunks();
+  if (forced != 0) return forced > 0 ? forced : 0;
+  if (shape.N * shape.H > kCpMaxSeqHeads || shape.N <= 0 || shape.H <= 0) return 0;
+  const int64_t chunks_max = (shape.T + kChunkTokens - 1) / kChunkTokens;
+  const int64_t blocks = shape.N * shape.H * (shape.K / 64);
+  const int64_t nseg = std::max<int64_t>(1, sms / blocks);
+  const int64_t len = std::max(kCpMinSegmentChunks, (chunks_max + nseg - 1) / nseg);
+  return chunks_max > len ? len : 0;
+}
+
 Status run_prefill_cuda(const PrefillParams& p, const ProblemShape& shape, void* workspace, Stream stream) {
   Status st = check_cuda_call(p.q, workspace);
   if (!st.ok()) return st;
@@ -206,10 +223,19 @@ Status run_prefill_cuda(const PrefillParams& p, const ProblemShape& shape, void*
   a.n_ckpt = ckpt ? static_cast<int>(shape.num_checkpoints) : 0;
   a.ckpt_state = ckpt ? static_cast<float*>(p.checkpoint_state.data) : nullptr;
 
+  const int sms = g_num_sms[p.q.device_index].load();
+  const int64_t seg_chunks = ckpt ? 0 : segment_chunks(shape, sms);
+  if (seg_chunks > 0) {
+    const int64_t chunks_max = (shape.T + kChunkTokens - 1) / kChunkTokens;  // of the longest sequence
+    a.seg_chunks = static_cast<int>(seg_chunks);
+    a.max_segs = static_cast<int>(std::max<int64_t>(1, (chunks_max + seg_chunks - 1) / seg_chunks));
+    a.seg_ws = reinterpret_cast<float*>(a.records +
+                                        record_area_bytes(shape.total_tokens, shape.H, shape.N, shape.K));
+  }
+
   st = clear_device_error(workspace, stream);  // the kernels only set it: report this call alone
   if (!st.ok()) return st;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  const int sms = g_num_sms[p.q.device_index].load();
   if (shape.K == 128) return sm90::launch_prefill_d128(a, sms, s);
   return sm90::launch_prefill_d64(a, sms, s);
 }

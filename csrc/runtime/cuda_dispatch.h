@@ -19,6 +19,27 @@ constexpr size_t chunk_record_bytes(int64_t d) {
   return static_cast<size_t>(4 * kChunkTokens * d * 2 + kChunkTokens * kChunkTokens * 2 + d * 4 + 128);
 }
 
+// Context parallelism of the CUDA prefill (few sequences x heads: each sequence is cut into
+// segments walked in parallel, kda_segment_scan.cuh).  It is chosen only when N H <= kCpMaxSeqHeads
+// and with segments of at least kCpMinSegmentChunks chunks, so its workspace area (three D x D fp32
+// blocks per segment slot and head) is bounded by floor(T / (C kCpMinSegmentChunks)) + min(N,
+// kCpMaxSeqHeads / H) slots: monotone in T and N, so a workspace sized for the largest step still
+// fits every smaller one.
+constexpr int64_t kCpMaxSeqHeads = 32;
+constexpr int64_t kCpMinSegmentChunks = 32;
+// Dev switch FLASHKDA_PREFILL_SEGMENT_CHUNKS=<L> (L >= 1): force context parallelism with segments
+// of L chunks on every call without checkpoints (tests of the segment path on small inputs);
+// workspace_size() then reserves the larger area that needs.  =off: never (A/B benchmarks).
+// Returns L, -1 for off, 0 when unset (the automatic choice).
+int64_t forced_segment_chunks();
+// Bytes of the context-parallel area that follows the chunk records.
+size_t segment_area_bytes(int64_t total_tokens, int64_t num_heads, int64_t num_seqs, int64_t head_dim);
+// Bytes of the chunk-record area: one record per (chunk slot, head), with total / C + N + 1 slots.
+inline size_t record_area_bytes(int64_t total_tokens, int64_t num_heads, int64_t num_seqs, int64_t head_dim) {
+  const int64_t slots = total_tokens / kChunkTokens + num_seqs + 1;
+  return static_cast<size_t>(slots) * static_cast<size_t>(num_heads) * chunk_record_bytes(head_dim);
+}
+
 #if defined(FLASHKDA_WITH_CUDA)
 // Validated params (can_implement passed) on CUDA tensors.
 Status run_prefill_cuda(const PrefillParams& p, const ProblemShape& shape, void* workspace, Stream stream);

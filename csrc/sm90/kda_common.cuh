@@ -69,6 +69,13 @@ struct PrefillArgs {
   int ckpt_int64;
   int n_ckpt;
   float* ckpt_state;  // [N, n_ckpt, H, V, K] fp32
+  // Context parallelism (seg_chunks > 0, see kda_segment_scan.cuh): each sequence is cut into
+  // segments of seg_chunks chunks, walked in parallel; the grid covers max_segs segments per
+  // sequence.  seg_ws: per (segment slot, head) three D x D fp32 blocks: the segment's start state,
+  // and the affine map of its walk, S_end = S_start A + L (L first, then A).
+  float* seg_ws;
+  int seg_chunks;
+  int max_segs;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -153,6 +160,26 @@ __device__ inline bool slot_to_chunk(const PrefillArgs& a, int64_t slot, int64_t
   *c_out = c;
   return true;
 }
+
+// Context parallelism: the number of segments of a sequence of `len` tokens (at least one, so an
+// empty sequence still copies its initial state to its final state), and the workspace slot of its
+// segment s.  Slots are floor(first global token / segment tokens) + n + s: distinct across
+// sequences (the next sequence starts at a slot >= floor(len / X) + 1 > nseg - 1 further) and below
+// floor(B T / X) + N, which is what workspace_size reserves (detail::segment_area_bytes).
+__device__ inline int num_segments(const PrefillArgs& a, int64_t len) {
+  const int64_t nch = (len + kChunk - 1) / kChunk;
+  const int64_t ns = (nch + a.seg_chunks - 1) / a.seg_chunks;
+  return ns < 1 ? 1 : static_cast<int>(ns);
+}
+
+template <int D>
+__device__ inline float* segment_block(const PrefillArgs& a, int64_t n, const SeqSpan& sp, int s, int h,
+                                       int part) {
+  const int64_t first_token = sp.batch * a.T + sp.bos;
+  const int64_t slot = first_token / (static_cast<int64_t>(a.seg_chunks) * kChunk) + n + s;
+  return a.seg_ws + ((slot * a.H + h) * 3 + part) * static_cast<int64_t>(D) * D;
+}
+enum : int { kSegStart = 0, kSegMapL = 1, kSegMapA = 2 };
 
 // State row of sequence n in the state tensors (pool addressing); negative = padding.
 __device__ inline int64_t state_row(const PrefillArgs& a, int64_t n) {

@@ -1,6 +1,7 @@
 // Host-side launcher of the sm90 prefill for one head dim: chunk_prepare over every (chunk slot,
 // head), then state_recurrence over every (sequence, head, state slice), then (with checkpoints)
-// checkpoint_advance, all on the caller's stream.
+// checkpoint_advance, all on the caller's stream.  With context parallelism (a.seg_chunks > 0) the
+// recurrence is three launches instead: the segment maps, segment_scan, the segment walks.
 // Grid sizes come from host-known sizes only (no read of cu_seqlens), so the call is graph-safe.
 #pragma once
 
@@ -12,6 +13,7 @@
 #include "flashkda/flashkda.h"
 #include "sm90/kda_checkpoint_advance.cuh"
 #include "sm90/kda_chunk_prepare.cuh"
+#include "sm90/kda_segment_scan.cuh"
 #include "sm90/kda_state_recurrence.cuh"
 
 namespace flashkda {
@@ -29,15 +31,30 @@ inline int state_block_warps(int64_t N, int64_t H, int64_t D, int num_sms) {
   return D >= 128 ? 8 : 4;
 }
 
-template <int D, int NW>
+template <int D, int NW, RecurrenceMode kMode = RecurrenceMode::kWhole>
 Status launch_recurrence(const PrefillArgs& a, cudaStream_t stream) {
-  using SM = RecurrenceSmem<D, NW>;
-  auto kernel = state_recurrence_kernel<D, NW>;
-  cudaError_t e = set_smem_limit_once<state_recurrence_kernel<D, NW>>(SM::kBytes);
+  constexpr bool kMap = kMode == RecurrenceMode::kSegmentMap;
+  using SM = RecurrenceSmem<D, NW, kMap>;
+  auto kernel = state_recurrence_kernel<D, NW, kMode>;
+  cudaError_t e = set_smem_limit_once<state_recurrence_kernel<D, NW, kMode>>(SM::kBytes);
   if (e != cudaSuccess) return cuda_status(e, "state_recurrence smem attribute");
-  dim3 grid(static_cast<unsigned>(a.N), static_cast<unsigned>(a.H), D / SM::kVs);
+  const int64_t gx = kMode == RecurrenceMode::kWhole ? a.N : static_cast<int64_t>(a.N) * a.max_segs;
+  if (gx > 0x7fffffff) return Status::invalid("flashkda: problem too large for one launch");
+  dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(a.H), (kMap ? 2 * D : D) / SM::kVs);
   kernel<<<grid, 32 * NW, SM::kBytes, stream>>>(a);
   return cuda_status(cudaGetLastError(), "state_recurrence launch");
+}
+
+// Context parallelism: segment maps (4-warp blocks, two per SM), their scan, the segment walks.
+template <int D>
+Status launch_context_parallel(const PrefillArgs& a, cudaStream_t stream) {
+  Status st = launch_recurrence<D, 4, RecurrenceMode::kSegmentMap>(a, stream);
+  if (!st.ok()) return st;
+  segment_scan_kernel<D>
+      <<<dim3(static_cast<unsigned>(a.N), static_cast<unsigned>(a.H), D / 16), D, 0, stream>>>(a);
+  st = cuda_status(cudaGetLastError(), "segment_scan launch");
+  if (!st.ok()) return st;
+  return launch_recurrence<D, 4, RecurrenceMode::kSegmentApply>(a, stream);
 }
 
 template <int D>
@@ -54,6 +71,7 @@ Status launch_prefill(const PrefillArgs& a, int num_sms, cudaStream_t stream) {
   prep<<<grid, kPrepareThreads, PS::kBytes, stream>>>(a);
   Status st = cuda_status(cudaGetLastError(), "chunk_prepare launch");
   if (!st.ok() || a.N <= 0) return st;
+  if (a.seg_chunks > 0) return launch_context_parallel<D>(a, stream);
   switch (state_block_warps(a.N, a.H, D, num_sms)) {
     case 4:
       st = launch_recurrence<D, 4>(a, stream);

@@ -10,6 +10,14 @@
 // tile goes through shared memory so that global stores are 16-byte rows.
 // Shared memory (D = 128, NW = 8): 2 stages x (W, QT, KD 3 x 17 KB + MQK 9 KB + UT 18 KB + gamma)
 // + output tile 17 KB: about 174 KB.
+//
+// Modes (context parallelism, kda_segment_scan.cuh): kWhole walks whole sequences (grid.x = N).
+// kSegmentMap walks one segment of a sequence (grid.x = N max_segs) from S = 0 and from S = I at
+// once: the grid's z covers 2D rows, rows [0, D) are L (the state rows, UT as usual) and rows
+// [D, 2D) are A (UT = 0, starting from the identity), which are the affine map S_end = S_start A + L
+// of the segment, written to the workspace.  No output: QT, MQK and the output tile are not loaded
+// (2 stages x 44 KB at NW = 4, two blocks per SM).  kSegmentApply walks one segment from the start
+// state segment_scan wrote, writes the outputs, and the final state from the last segment.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -19,7 +27,9 @@
 namespace flashkda {
 namespace sm90 {
 
-template <int D, int NW>
+enum class RecurrenceMode : int { kWhole = 0, kSegmentMap = 1, kSegmentApply = 2 };
+
+template <int D, int NW, bool kMap = false>
 struct RecurrenceSmem {
   static constexpr int kVs = 16 * NW;  // state rows per block
   static constexpr int kLdH = D + 8;
@@ -27,46 +37,57 @@ struct RecurrenceSmem {
   static constexpr int kLdO = kVs + 8;
   static constexpr int kW = 0;
   static constexpr int kQT = kW + kChunk * kLdH * 2;
-  static constexpr int kKD = kQT + kChunk * kLdH * 2;
+  static constexpr int kKD = kQT + (kMap ? 0 : kChunk * kLdH * 2);
   static constexpr int kMQK = kKD + kChunk * kLdH * 2;
-  static constexpr int kUT = kMQK + kChunk * kLdC * 2;
+  static constexpr int kUT = kMQK + (kMap ? 0 : kChunk * kLdC * 2);
   static constexpr int kGamma = kUT + kVs * kLdC * 2;
   static constexpr int kShift = kGamma + D * 4;  // UT shift (int32), padded to 16 bytes
   static constexpr int kStage = kShift + 16;
   static constexpr int kOut = 2 * kStage;
-  static constexpr int kBytes = kOut + kChunk * kLdO * 2;
+  static constexpr int kBytes = kOut + (kMap ? 0 : kChunk * kLdO * 2);
   static_assert(kStage % 16 == 0, "stage alignment");
 };
 
-template <int D, int NW>
-__device__ inline void load_record_async(const char* rec, unsigned char* stage, int v0, int tid) {
-  using SM = RecurrenceSmem<D, NW>;
+// Copies the parts of one chunk record this block needs into a stage (cp.async, not committed).
+// kMap: no QT or MQK; load_ut false for blocks of A rows (their UT is zero).
+template <int D, int NW, bool kMap>
+__device__ inline void load_record_async(const char* rec, unsigned char* stage, int v0, int tid,
+                                         bool load_ut) {
+  using SM = RecurrenceSmem<D, NW, kMap>;
   using R = ChunkRecord<D>;
   constexpr int kThreads = 32 * NW;
   constexpr int kRowVec = D / 8;  // 16-byte pieces per D row
   for (int e = tid; e < kChunk * kRowVec; e += kThreads) {
     const int r = e / kRowVec, c8 = (e % kRowVec) * 8;
     cp_async_16(stage + SM::kW + (r * SM::kLdH + c8) * 2, rec + R::kW + (r * D + c8) * 2);
-    cp_async_16(stage + SM::kQT + (r * SM::kLdH + c8) * 2, rec + R::kQT + (r * D + c8) * 2);
+    if constexpr (!kMap)
+      cp_async_16(stage + SM::kQT + (r * SM::kLdH + c8) * 2, rec + R::kQT + (r * D + c8) * 2);
     cp_async_16(stage + SM::kKD + (r * SM::kLdH + c8) * 2, rec + R::kKD + (r * D + c8) * 2);
   }
-  for (int e = tid; e < kChunk * 8; e += kThreads) {
-    const int r = e / 8, c8 = (e % 8) * 8;
-    cp_async_16(stage + SM::kMQK + (r * SM::kLdC + c8) * 2, rec + R::kMQK + (r * kChunk + c8) * 2);
+  if constexpr (!kMap) {
+    for (int e = tid; e < kChunk * 8; e += kThreads) {
+      const int r = e / 8, c8 = (e % 8) * 8;
+      cp_async_16(stage + SM::kMQK + (r * SM::kLdC + c8) * 2, rec + R::kMQK + (r * kChunk + c8) * 2);
+    }
   }
-  for (int e = tid; e < SM::kVs * 8; e += kThreads) {
-    const int r = e / 8, c8 = (e % 8) * 8;
-    cp_async_16(stage + SM::kUT + (r * SM::kLdC + c8) * 2, rec + R::kUT + ((v0 + r) * kChunk + c8) * 2);
+  if (load_ut) {
+    for (int e = tid; e < SM::kVs * 8; e += kThreads) {
+      const int r = e / 8, c8 = (e % 8) * 8;
+      cp_async_16(stage + SM::kUT + (r * SM::kLdC + c8) * 2, rec + R::kUT + ((v0 + r) * kChunk + c8) * 2);
+    }
   }
   for (int e = tid; e < D / 4 + 1; e += kThreads)
     cp_async_16(stage + SM::kGamma + e * 16, rec + R::kGamma + e * 16);
 }
 
-template <int D, int NW>
-__global__ void __launch_bounds__(32 * NW, 1) state_recurrence_kernel(const PrefillArgs a) {
+template <int D, int NW, RecurrenceMode kMode>
+__global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap ? 2 : 1)
+    state_recurrence_kernel(const PrefillArgs a) {
   static_assert(D == 64 || D == 128, "head dim");
   static_assert(16 * NW <= D && D % (16 * NW) == 0, "state slices must tile V");
-  using SM = RecurrenceSmem<D, NW>;
+  constexpr bool kMap = kMode == RecurrenceMode::kSegmentMap;
+  constexpr bool kWhole = kMode == RecurrenceMode::kWhole;
+  using SM = RecurrenceSmem<D, NW, kMap>;
   constexpr int kThreads = 32 * NW;
   constexpr int NT = D / 8;  // n-tiles of a state row block
   extern __shared__ __align__(128) unsigned char smem[];
@@ -76,27 +97,47 @@ __global__ void __launch_bounds__(32 * NW, 1) state_recurrence_kernel(const Pref
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int64_t n = blockIdx.x;
+  const int64_t n = kWhole ? blockIdx.x : blockIdx.x / a.max_segs;
+  const int seg = kWhole ? 0 : static_cast<int>(blockIdx.x % a.max_segs);
   const int h = blockIdx.y;
   const int v0 = blockIdx.z * SM::kVs;
   const SeqSpan sp = sequence_span(a, n);
   const int64_t srow = state_row(a, n);
   const int nchunks = static_cast<int>((sp.len + kChunk - 1) / kChunk);
+  // This block's chunks [c_begin, c_end).  The map of a sequence's last segment is never used.
+  int c_begin = 0, c_end = nchunks;
+  bool last_segment = true;
+  if constexpr (!kWhole) {
+    const int nseg = num_segments(a, sp.len);
+    if (seg >= nseg || (kMap && seg == nseg - 1)) return;
+    c_begin = seg * a.seg_chunks;
+    c_end = min(nchunks, c_begin + a.seg_chunks);
+    last_segment = seg == nseg - 1;
+  }
+  // Map blocks: rows [0, D) are L, rows [D, 2D) are A (no UT, identity start).
+  const bool a_rows = kMap && v0 >= D;
 
   if (srow < 0) {  // padded sequence: zero its output rows, touch no state
-    constexpr int kVec = SM::kVs / 8;
-    for (int64_t e = tid; e < sp.len * kVec; e += kThreads) {
-      const int64_t tok = mapped_row(a, sp.bos + e / kVec);
-      bf16* o = a.out + sp.batch * a.out_sb + tok * a.out_st + h * D + v0 + (e % kVec) * 8;
-      for (int i = 0; i < 8; ++i) o[i] = __float2bfloat16_rn(0.f);
+    if constexpr (!kMap) {
+      constexpr int kVec = SM::kVs / 8;
+      const int64_t t0 = static_cast<int64_t>(c_begin) * kChunk;
+      const int64_t t1 = kWhole ? sp.len : min(sp.len, static_cast<int64_t>(c_end) * kChunk);
+      for (int64_t e = t0 * kVec + tid; e < t1 * kVec; e += kThreads) {
+        const int64_t tok = mapped_row(a, sp.bos + e / kVec);
+        bf16* o = a.out + sp.batch * a.out_sb + tok * a.out_st + h * D + v0 + (e % kVec) * 8;
+        for (int i = 0; i < 8; ++i) o[i] = __float2bfloat16_rn(0.f);
+      }
     }
     return;
   }
 
-  // Start loading chunk 0 before touching the state.
+  // Start loading the first chunk before touching the state.
   const char* rec_base = a.records + (sp.slot0 * a.H + h) * static_cast<int64_t>(ChunkRecord<D>::kBytes);
   const int64_t rec_stride = static_cast<int64_t>(a.H) * ChunkRecord<D>::kBytes;
-  if (nchunks > 0) load_record_async<D, NW>(rec_base, smem, v0, tid);
+  if (c_begin < c_end) {
+    load_record_async<D, NW, kMap>(rec_base + c_begin * rec_stride, smem + (c_begin & 1) * SM::kStage, v0,
+                                   tid, !a_rows);
+  }
   cp_async_commit();
 
   // State rows of this warp: r0 = v0 + 16 warp + g, r1 = r0 + 8; columns 8 j + 2 t (+1).
@@ -104,12 +145,35 @@ __global__ void __launch_bounds__(32 * NW, 1) state_recurrence_kernel(const Pref
   const int r0 = v0 + 16 * warp + g;
   const bool has_h0 = a.h0 != nullptr && (a.has_initial_state == nullptr || a.has_initial_state[n]);
   const int64_t sbase = (srow * a.H + h) * static_cast<int64_t>(D) * D;
+  if constexpr (kWhole) {
 #pragma unroll
-  for (int j = 0; j < NT; ++j) {
+    for (int j = 0; j < NT; ++j) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int64_t idx = sbase + static_cast<int64_t>(r0 + 8 * (e >> 1)) * D + 8 * j + 2 * t + (e & 1);
-      s[j][e] = has_h0 ? load_scalar(a.h0, a.state_fp32, idx) : 0.f;
+      for (int e = 0; e < 4; ++e) {
+        const int64_t idx = sbase + static_cast<int64_t>(r0 + 8 * (e >> 1)) * D + 8 * j + 2 * t + (e & 1);
+        s[j][e] = has_h0 ? load_scalar(a.h0, a.state_fp32, idx) : 0.f;
+      }
+    }
+  } else if constexpr (kMap) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = 8 * j + 2 * t + (e & 1), row = r0 + 8 * (e >> 1) - D;
+        s[j][e] = (a_rows && row == col) ? 1.f : 0.f;
+      }
+    }
+  } else {
+    const float* start = segment_block<D>(a, n, sp, seg, h, kSegStart);
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const float2 x = *reinterpret_cast<const float2*>(
+            start + static_cast<int64_t>(r0 + 8 * (e >> 1)) * D + 8 * j + 2 * t);
+        s[j][e] = x.x;
+        s[j][e + 1] = x.y;
+      }
     }
   }
 
@@ -135,11 +199,14 @@ __global__ void __launch_bounds__(32 * NW, 1) state_recurrence_kernel(const Pref
     }
   };
 
-  for (int c = 0; c < nchunks; ++c) {
-    if (a.ckpt_offsets != nullptr) write_checkpoints(c);
+  for (int c = c_begin; c < c_end; ++c) {
+    if constexpr (kWhole) {
+      if (a.ckpt_offsets != nullptr) write_checkpoints(c);
+    }
     unsigned char* stage = smem + (c & 1) * SM::kStage;
-    if (c + 1 < nchunks) {
-      load_record_async<D, NW>(rec_base + (c + 1) * rec_stride, smem + ((c + 1) & 1) * SM::kStage, v0, tid);
+    if (c + 1 < c_end) {
+      load_record_async<D, NW, kMap>(rec_base + (c + 1) * rec_stride, smem + ((c + 1) & 1) * SM::kStage, v0,
+                                     tid, !a_rows);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -160,14 +227,18 @@ __global__ void __launch_bounds__(32 * NW, 1) state_recurrence_kernel(const Pref
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const int col = 8 * j + 2 * t;
-      const float2 u0 =
-          __half22float2(*reinterpret_cast<const __half2*>(sUT + (16 * warp + g) * SM::kLdC + col));
-      const float2 u1 =
-          __half22float2(*reinterpret_cast<const __half2*>(sUT + (16 * warp + g + 8) * SM::kLdC + col));
-      vn[j][0] = u0.x * ut_scale;
-      vn[j][1] = u0.y * ut_scale;
-      vn[j][2] = u1.x * ut_scale;
-      vn[j][3] = u1.y * ut_scale;
+      if (a_rows) {
+        vn[j][0] = vn[j][1] = vn[j][2] = vn[j][3] = 0.f;
+      } else {
+        const float2 u0 =
+            __half22float2(*reinterpret_cast<const __half2*>(sUT + (16 * warp + g) * SM::kLdC + col));
+        const float2 u1 =
+            __half22float2(*reinterpret_cast<const __half2*>(sUT + (16 * warp + g + 8) * SM::kLdC + col));
+        vn[j][0] = u0.x * ut_scale;
+        vn[j][1] = u0.y * ut_scale;
+        vn[j][2] = u1.x * ut_scale;
+        vn[j][3] = u1.y * ut_scale;
+      }
       o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
     }
 #pragma unroll
@@ -181,13 +252,16 @@ __global__ void __launch_bounds__(32 * NW, 1) state_recurrence_kernel(const Pref
       }
 #pragma unroll
       for (int p = 0; p < 4; ++p) {
-        uint32_t bw[4], bq[4];
+        uint32_t bw[4];
         load_b_frag_nk(bw, sW, SM::kLdH, 16 * p, 16 * ks, lane);
-        load_b_frag_nk(bq, sQT, SM::kLdH, 16 * p, 16 * ks, lane);
         mma_bf16(vn[2 * p], sn, bw[0], bw[1]);
         mma_bf16(vn[2 * p + 1], sn, bw[2], bw[3]);
-        mma_bf16(o[2 * p], sa, bq[0], bq[1]);
-        mma_bf16(o[2 * p + 1], sa, bq[2], bq[3]);
+        if constexpr (!kMap) {
+          uint32_t bq[4];
+          load_b_frag_nk(bq, sQT, SM::kLdH, 16 * p, 16 * ks, lane);
+          mma_bf16(o[2 * p], sa, bq[0], bq[1]);
+          mma_bf16(o[2 * p + 1], sa, bq[2], bq[3]);
+        }
       }
     }
     // VnT enters the two remaining products as an fp16 A operand, shifted by a power of two (per
@@ -212,27 +286,29 @@ __global__ void __launch_bounds__(32 * NW, 1) state_recurrence_kernel(const Pref
       va[ks][3] = pack_f16(vn[2 * ks + 1][2] * vn_down, vn[2 * ks + 1][3] * vn_down);
     }
     // OT += VnT MQK^T; MQK is lower triangular, so token block p only needs k-steps ks <= p.
-    const int o_shift = shift_n + shifts[1];
-    const float o_down = pow2i(-o_shift), o_up = pow2i(o_shift);
+    if constexpr (!kMap) {
+      const int o_shift = shift_n + shifts[1];
+      const float o_down = pow2i(-o_shift), o_up = pow2i(o_shift);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+      for (int j = 0; j < 8; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) o[j][e] *= o_down;
-    }
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-#pragma unroll
-      for (int ks = 0; ks <= p; ++ks) {
-        uint32_t bm[4];
-        load_b_frag_nk(bm, sMQK, SM::kLdC, 16 * p, 16 * ks, lane);
-        mma_f16(o[2 * p], va[ks], bm[0], bm[1]);
-        mma_f16(o[2 * p + 1], va[ks], bm[2], bm[3]);
+        for (int e = 0; e < 4; ++e) o[j][e] *= o_down;
       }
-    }
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+      for (int p = 0; p < 4; ++p) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) o[j][e] *= o_up;
+        for (int ks = 0; ks <= p; ++ks) {
+          uint32_t bm[4];
+          load_b_frag_nk(bm, sMQK, SM::kLdC, 16 * p, 16 * ks, lane);
+          mma_f16(o[2 * p], va[ks], bm[0], bm[1]);
+          mma_f16(o[2 * p + 1], va[ks], bm[2], bm[3]);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[j][e] *= o_up;
+      }
     }
     // S = S diag(gamma) + VnT KD.
     const int s_shift = shift_n + shifts[2];
@@ -261,33 +337,53 @@ __global__ void __launch_bounds__(32 * NW, 1) state_recurrence_kernel(const Pref
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[j][e] *= s_up;
     }
-    // Output tile OT (rows v, columns token) -> sOut[token][v].
+    if constexpr (kMap) {
+      __syncthreads();  // every warp is done with this stage before the next chunk's copy into it
+    } else {
+      // Output tile OT (rows v, columns token) -> sOut[token][v].
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int tok = 8 * j + 2 * t, vl = 16 * warp + g;
-      sOut[tok * SM::kLdO + vl] = __float2bfloat16_rn(o[j][0]);
-      sOut[(tok + 1) * SM::kLdO + vl] = __float2bfloat16_rn(o[j][1]);
-      sOut[tok * SM::kLdO + vl + 8] = __float2bfloat16_rn(o[j][2]);
-      sOut[(tok + 1) * SM::kLdO + vl + 8] = __float2bfloat16_rn(o[j][3]);
-    }
-    __syncthreads();
-    const int rows = (sp.len - c * kChunk < kChunk) ? static_cast<int>(sp.len - c * kChunk) : kChunk;
-    constexpr int kVec = SM::kVs / 8;
-    for (int e = tid; e < rows * kVec; e += kThreads) {
-      const int r = e / kVec, c8 = (e % kVec) * 8;
-      const int64_t tok = mapped_row(a, sp.bos + c * kChunk + r);
-      bf16* dst = a.out + sp.batch * a.out_sb + tok * a.out_st + h * D + v0 + c8;
-      const bf16* src = sOut + r * SM::kLdO + c8;
-      if (a.vec_out) {
-        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-      } else {
-        for (int i = 0; i < 8; ++i) dst[i] = src[i];
+      for (int j = 0; j < 8; ++j) {
+        const int tok = 8 * j + 2 * t, vl = 16 * warp + g;
+        sOut[tok * SM::kLdO + vl] = __float2bfloat16_rn(o[j][0]);
+        sOut[(tok + 1) * SM::kLdO + vl] = __float2bfloat16_rn(o[j][1]);
+        sOut[tok * SM::kLdO + vl + 8] = __float2bfloat16_rn(o[j][2]);
+        sOut[(tok + 1) * SM::kLdO + vl + 8] = __float2bfloat16_rn(o[j][3]);
+      }
+      __syncthreads();
+      const int rows = (sp.len - c * kChunk < kChunk) ? static_cast<int>(sp.len - c * kChunk) : kChunk;
+      constexpr int kVec = SM::kVs / 8;
+      for (int e = tid; e < rows * kVec; e += kThreads) {
+        const int r = e / kVec, c8 = (e % kVec) * 8;
+        const int64_t tok = mapped_row(a, sp.bos + c * kChunk + r);
+        bf16* dst = a.out + sp.batch * a.out_sb + tok * a.out_st + h * D + v0 + c8;
+        const bf16* src = sOut + r * SM::kLdO + c8;
+        if (a.vec_out) {
+          *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+        } else {
+          for (int i = 0; i < 8; ++i) dst[i] = src[i];
+        }
       }
     }
   }
 
-  if (a.ckpt_offsets != nullptr) write_checkpoints(nchunks);
-  if (a.ht != nullptr) {
+  if constexpr (kMap) {
+    // The segment's map: rows of L (part 1) or of A (part 2).
+    float* dst = segment_block<D>(a, n, sp, seg, h, a_rows ? kSegMapA : kSegMapL);
+    const int row0 = r0 - (a_rows ? D : 0);
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        *reinterpret_cast<float2*>(dst + static_cast<int64_t>(row0 + 8 * (e >> 1)) * D + 8 * j + 2 * t) =
+            make_float2(s[j][e], s[j][e + 1]);
+      }
+    }
+    return;
+  }
+  if constexpr (kWhole) {
+    if (a.ckpt_offsets != nullptr) write_checkpoints(nchunks);
+  }
+  if (a.ht != nullptr && last_segment) {
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
 #pragma unroll

@@ -609,3 +609,39 @@ TEST(ValidationHelpers, NamesSizesAndRefs) {
 
 }  // namespace
 }  // namespace flashkda
+
+// An engine sizes the prefill workspace once for its largest step (most tokens, most sequences) and
+// reuses it: the size must never shrink when tokens or sequences grow, though the context-parallel
+// area is only reserved for few sequences x heads (N H <= 32).
+TEST(WorkspaceSize, MonotoneInTokensAndSequences) {
+  for (int64_t d : {64, 128}) {
+    for (int64_t h : {1, 2, 4, 16, 32, 33, 64}) {
+      size_t prev_t = 0;
+      for (int64_t t : {0, 1, 63, 64, 2047, 2048, 4096, 65536, 1 << 20}) {
+        size_t prev_n = 0;
+        for (int64_t n : {1, 2, 3, 8, 16, 17, 32, 33, 256}) {
+          const size_t s = flashkda::workspace_size(t, h, n, d);
+          EXPECT_GE(s, prev_n) << "T " << t << " H " << h << " N " << n << " D " << d;
+          prev_n = s;
+        }
+        const size_t s1 = flashkda::workspace_size(t, h, 1, d);
+        EXPECT_GE(s1, prev_t) << "T " << t << " H " << h << " D " << d;
+        prev_t = s1;
+      }
+    }
+  }
+}
+
+// The context-parallel area: one start state and one (L, A) map (3 D x D fp32) per segment slot and
+// head, floor(T / 2048) + min(N, 32 / H) slots; none above 32 heads.
+TEST(WorkspaceSize, ReservesTheSegmentAreaForFewSequencesTimesHeads) {
+  const size_t per_slot_head = 3 * 128 * 128 * sizeof(float);
+  const size_t records_16 = flashkda::workspace_size(16384, 16, 1) - flashkda::workspace_size(0, 16, 1);
+  const size_t records_64 = flashkda::workspace_size(16384, 64, 1) - flashkda::workspace_size(0, 64, 1);
+  EXPECT_EQ(records_16, (16384 / 64) * 16 * (4 * 64 * 128 * 2 + 64 * 64 * 2 + 128 * 4 + 128) +
+                            (16384 / 2048) * 16 * per_slot_head);
+  EXPECT_EQ(records_64, (16384 / 64) * 64 * static_cast<size_t>(4 * 64 * 128 * 2 + 64 * 64 * 2 + 128 * 4 + 128));
+  // N beyond 32 / H adds records only.
+  EXPECT_EQ(flashkda::workspace_size(0, 16, 3) - flashkda::workspace_size(0, 16, 2),
+            16 * static_cast<size_t>(4 * 64 * 128 * 2 + 64 * 64 * 2 + 128 * 4 + 128));
+}

@@ -1,0 +1,107 @@
+// segment_scan: the start state of every segment of a context-parallel prefill.
+//
+// Context parallelism (few sequences x heads, long sequences; kda_spec.md section 3): the walk over
+// a sequence's chunks is affine in the state, S_end = S_start A + L, with A (K x K) and L (V x K)
+// per segment of seg_chunks chunks.  state_recurrence<kSegmentMap> computes (L, A) of every segment
+// but the last in parallel; this kernel chains them, S_0 = h0 (or 0), S_{s+1} = S_s A_s + L_s, and
+// writes every S_s to the workspace; state_recurrence<kSegmentApply> then walks all segments in
+// parallel from their start states, writing the outputs (and the final state from the last one).
+// The start state of segment 0 is a copy of h0: with an in-place pool (h0 == ht) the last segment
+// may write ht before segment 0's block starts.
+//
+// Grid: (N, H, D / 16).  Block: D / 32 warps owning 16 state rows; warp w computes columns
+// [32 w, 32 w + 32) of S A with tf32 mma (m16n8k8), each operand split in a high and a low tf32 part
+// (three products: fp32-like accuracy, the combination adds no error beyond the segment walks).
+// S's 16 rows wait in shared memory (16 x (D + 4) fp32, 8.3 KB at D = 128) for the next step;
+// A comes from the workspace (L2), each block reading all of it once per segment.
+#pragma once
+
+#include "sm90/kda_common.cuh"
+
+namespace flashkda {
+namespace sm90 {
+
+template <int D>
+__global__ void __launch_bounds__(D) segment_scan_kernel(const PrefillArgs a) {
+  static_assert(D == 64 || D == 128, "head dim");
+  constexpr int kLd = D + 4;  // row pitch: the A-fragment loads hit 32 distinct banks
+  constexpr int kThreads = D;
+  __shared__ float sS[16 * kLd];
+
+  if (*reinterpret_cast<volatile int*>(a.error_word) != 0) return;  // bad indices: write nothing
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t n = blockIdx.x;
+  const int h = blockIdx.y;
+  const int row0 = blockIdx.z * 16;
+  const SeqSpan sp = sequence_span(a, n);
+  const int64_t srow = state_row(a, n);
+  if (srow < 0) return;  // padding: the apply pass only zeroes its outputs
+  const int nseg = num_segments(a, sp.len);
+
+  // S_0: rows [row0, row0 + 16) of the initial state (or zeros), also stored as segment 0's start.
+  const bool has_h0 = a.h0 != nullptr && (a.has_initial_state == nullptr || a.has_initial_state[n]);
+  const int64_t sbase = (srow * a.H + h) * static_cast<int64_t>(D) * D;
+  float* start0 = segment_block<D>(a, n, sp, 0, h, kSegStart);
+  for (int e = tid; e < 16 * D; e += kThreads) {
+    const int r = e / D, c = e % D;
+    const int64_t idx = static_cast<int64_t>(row0 + r) * D + c;
+    const float x = has_h0 ? load_scalar(a.h0, a.state_fp32, sbase + idx) : 0.f;
+    sS[r * kLd + c] = x;
+    start0[idx] = x;
+  }
+  __syncthreads();
+
+  const int col0 = 32 * warp;
+  for (int s = 0; s + 1 < nseg; ++s) {
+    const float* L = segment_block<D>(a, n, sp, s, h, kSegMapL);
+    const float* A = segment_block<D>(a, n, sp, s, h, kSegMapA);
+    float acc[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int col = col0 + 8 * j + 2 * t;
+      const float2 l0 = *reinterpret_cast<const float2*>(L + static_cast<int64_t>(row0 + g) * D + col);
+      const float2 l1 = *reinterpret_cast<const float2*>(L + static_cast<int64_t>(row0 + g + 8) * D + col);
+      acc[j][0] = l0.x, acc[j][1] = l0.y, acc[j][2] = l1.x, acc[j][3] = l1.y;
+    }
+#pragma unroll 4
+    for (int kk = 0; kk < D / 8; ++kk) {
+      const float x[4] = {sS[g * kLd + 8 * kk + t], sS[(g + 8) * kLd + 8 * kk + t],
+                          sS[g * kLd + 8 * kk + t + 4], sS[(g + 8) * kLd + 8 * kk + t + 4]};
+      uint32_t ahi[4], alo[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        ahi[i] = to_tf32(x[i]);
+        alo[i] = to_tf32(x[i] - __uint_as_float(ahi[i]));
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int col = col0 + 8 * j + g;
+        const float b0 = A[static_cast<int64_t>(8 * kk + t) * D + col];
+        const float b1 = A[static_cast<int64_t>(8 * kk + t + 4) * D + col];
+        const uint32_t b0h = to_tf32(b0), b1h = to_tf32(b1);
+        const uint32_t b0l = to_tf32(b0 - __uint_as_float(b0h)), b1l = to_tf32(b1 - __uint_as_float(b1h));
+        mma_tf32(acc[j], alo, b0h, b1h);
+        mma_tf32(acc[j], ahi, b0l, b1l);
+        mma_tf32(acc[j], ahi, b0h, b1h);
+      }
+    }
+    __syncthreads();  // every warp has read S_s
+    float* next = segment_block<D>(a, n, sp, s + 1, h, kSegStart);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int col = col0 + 8 * j + 2 * t;
+      *reinterpret_cast<float2*>(&sS[g * kLd + col]) = make_float2(acc[j][0], acc[j][1]);
+      *reinterpret_cast<float2*>(&sS[(g + 8) * kLd + col]) = make_float2(acc[j][2], acc[j][3]);
+      *reinterpret_cast<float2*>(next + static_cast<int64_t>(row0 + g) * D + col) =
+          make_float2(acc[j][0], acc[j][1]);
+      *reinterpret_cast<float2*>(next + static_cast<int64_t>(row0 + g + 8) * D + col) =
+          make_float2(acc[j][2], acc[j][3]);
+    }
+    __syncthreads();
+  }
+}
+
+}  // namespace sm90
+}  // namespace flashkda

@@ -1,0 +1,91 @@
+"""The context-parallel prefill (segment maps, their scan, the segment walks) on the H200.
+
+It runs by itself for few sequences x heads and long sequences (test_gpu's [8192] H4 case takes it);
+here the dev switch FLASHKDA_PREFILL_SEGMENT_CHUNKS forces it with segments of 1 or 3 chunks on the
+small inputs of test_gpu, so segment boundaries fall inside and between sequences, on empty,
+padded and in-place-pool sequences, for both head dims and both state dtypes.  The same float64
+reference and tolerances as test_gpu.
+"""
+
+import pytest
+import torch
+
+import flashkda
+import test_gpu as base
+from kda_helpers import make_inputs
+
+pytestmark = base.pytestmark
+DEV = base.DEV
+gen = base.gen
+
+
+@pytest.fixture(params=[1, 3], ids=["seg1", "seg3"])
+def segments(request, monkeypatch):
+    monkeypatch.setenv("FLASHKDA_PREFILL_SEGMENT_CHUNKS", str(request.param))
+    return request.param
+
+
+def test_workspace_grows_with_forced_segments(segments, monkeypatch):
+    forced = flashkda.get_workspace_size(4096, 4, 2)
+    monkeypatch.delenv("FLASHKDA_PREFILL_SEGMENT_CHUNKS")
+    assert forced > flashkda.get_workspace_size(4096, 4, 2)
+
+
+def test_spec_case(gen, segments):
+    base.test_spec_case(gen)
+
+
+@pytest.mark.parametrize("H", [1, 4])
+def test_lengths_and_heads(gen, segments, H):
+    base.test_lengths_and_heads(gen, H)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_modes(gen, segments, state_dtype, D):
+    base.test_modes(gen, "bounded", True, True, state_dtype, D)
+
+
+@pytest.mark.parametrize("with_state", [True, False])
+def test_fixed_length_batch(gen, segments, with_state):
+    base.test_fixed_length_batch(gen, with_state)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_in_place_state(gen, segments, state_dtype):
+    base.test_in_place_state(gen, state_dtype)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_state_pool(gen, segments, state_dtype):
+    base.test_state_pool(gen, state_dtype)
+
+
+def test_deterministic(gen, segments):
+    base.test_deterministic(gen)
+
+
+def test_cuda_graph_replay(gen, segments):
+    base.test_cuda_graph_replay(gen)
+
+
+def test_row_strided_inputs(gen, segments):
+    base.test_row_strided_inputs(gen)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_automatic_choice_on_a_long_sequence(gen, D):
+    """[16384] H2: the automatic choice cuts it into segments (N H <= 32); against the reference."""
+    inp = make_inputs([16384], H=2, D=D, device=DEV, generator=gen)
+    out, fs = base.poisoned_outputs(inp)
+    base.run(inp, out, fs)
+    base.judge(gen, inp, out, fs, base.SPEC_OUT, base.SPEC_STATE)
+
+
+def test_long_sequences_with_segments_of_many_chunks(gen, monkeypatch):
+    """Segments of 5 chunks over two long sequences and a short one."""
+    monkeypatch.setenv("FLASHKDA_PREFILL_SEGMENT_CHUNKS", "5")
+    inp = make_inputs([3000, 70, 2500], H=2, D=128, device=DEV, generator=gen)
+    out, fs = base.poisoned_outputs(inp)
+    base.run(inp, out, fs)
+    base.judge(gen, inp, out, fs, base.SPEC_OUT, base.SPEC_STATE)
