@@ -172,6 +172,10 @@ def kernel_times(fn, iters):
         if evt.device_type == torch.autograd.DeviceType.CUDA:
             t = evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
             name = evt.name.split("<")[0].split("(")[0][-60:]
+            if "RecurrenceMode)1" in evt.name:  # context parallelism: the segment maps, then the walks
+                name += " (segment maps)"
+            elif "RecurrenceMode)2" in evt.name:
+                name += " (segment walks)"
             per[name] = per.get(name, 0.0) + t / iters
     return per
 

@@ -50,8 +50,10 @@ template <int D>
 Status launch_context_parallel(const PrefillArgs& a, cudaStream_t stream) {
   Status st = launch_recurrence<D, 4, RecurrenceMode::kSegmentMap>(a, stream);
   if (!st.ok()) return st;
-  segment_scan_kernel<D>
-      <<<dim3(static_cast<unsigned>(a.N), static_cast<unsigned>(a.H), D / 16), D, 0, stream>>>(a);
+  cudaError_t e = set_smem_limit_once<segment_scan_kernel<D>>(ScanSmem<D>::kBytes);
+  if (e != cudaSuccess) return cuda_status(e, "segment_scan smem attribute");
+  segment_scan_kernel<D><<<dim3(static_cast<unsigned>(a.N), static_cast<unsigned>(a.H), D / 16), D,
+                           ScanSmem<D>::kBytes, stream>>>(a);
   st = cuda_status(cudaGetLastError(), "segment_scan launch");
   if (!st.ok()) return st;
   return launch_recurrence<D, 4, RecurrenceMode::kSegmentApply>(a, stream);

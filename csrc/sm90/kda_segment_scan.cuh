@@ -12,8 +12,10 @@
 // Grid: (N, H, D / 16).  Block: D / 32 warps owning 16 state rows; warp w computes columns
 // [32 w, 32 w + 32) of S A with tf32 mma (m16n8k8), each operand split in a high and a low tf32 part
 // (three products: fp32-like accuracy, the combination adds no error beyond the segment walks).
-// S's 16 rows wait in shared memory (16 x (D + 4) fp32, 8.3 KB at D = 128) for the next step;
-// A comes from the workspace (L2), each block reading all of it once per segment.
+// Shared memory: S's 16 rows (16 x (D + 4) fp32) and two stages of A (D x (D + 8) fp32, 68 KB each
+// at D = 128): A_{s+1} streams in with cp.async while step s runs, so a step costs one mma pass
+// instead of a chain of L2 round trips (the first version, loading A's fragments straight from
+// global memory, took ~10 us a step).
 #pragma once
 
 #include "sm90/kda_common.cuh"
@@ -22,11 +24,33 @@ namespace flashkda {
 namespace sm90 {
 
 template <int D>
+struct ScanSmem {
+  static constexpr int kLdS = D + 4;  // S rows: the A-fragment loads hit 32 distinct banks
+  static constexpr int kLdA = D + 8;  // A rows: the B-fragment loads (rows t, columns g) likewise
+  static constexpr int kS = 0;
+  static constexpr int kA = kS + 16 * kLdS * 4;
+  static constexpr int kStageA = D * kLdA * 4;
+  static constexpr int kBytes = kA + 2 * kStageA;
+  static_assert(kA % 16 == 0 && kStageA % 16 == 0, "cp.async alignment");
+};
+
+template <int D>
+__device__ inline void load_map_a_async(const float* A, float* sA, int tid) {
+  constexpr int kVec = D / 4;  // 16-byte pieces per row
+  for (int e = tid; e < D * kVec; e += D) {
+    const int r = e / kVec, c4 = (e % kVec) * 4;
+    cp_async_16(sA + r * ScanSmem<D>::kLdA + c4, A + static_cast<int64_t>(r) * D + c4);
+  }
+}
+
+template <int D>
 __global__ void __launch_bounds__(D) segment_scan_kernel(const PrefillArgs a) {
   static_assert(D == 64 || D == 128, "head dim");
-  constexpr int kLd = D + 4;  // row pitch: the A-fragment loads hit 32 distinct banks
+  using SM = ScanSmem<D>;
+  constexpr int kLd = SM::kLdS, kLdA = SM::kLdA;
   constexpr int kThreads = D;
-  __shared__ float sS[16 * kLd];
+  extern __shared__ __align__(128) unsigned char smem[];
+  float* sS = reinterpret_cast<float*>(smem + SM::kS);
 
   if (*reinterpret_cast<volatile int*>(a.error_word) != 0) return;  // bad indices: write nothing
 
@@ -39,6 +63,10 @@ __global__ void __launch_bounds__(D) segment_scan_kernel(const PrefillArgs a) {
   const int64_t srow = state_row(a, n);
   if (srow < 0) return;  // padding: the apply pass only zeroes its outputs
   const int nseg = num_segments(a, sp.len);
+  if (nseg > 1)
+    load_map_a_async<D>(segment_block<D>(a, n, sp, 0, h, kSegMapA), reinterpret_cast<float*>(smem + SM::kA),
+                        tid);
+  cp_async_commit();
 
   // S_0: rows [row0, row0 + 16) of the initial state (or zeros), also stored as segment 0's start.
   const bool has_h0 = a.h0 != nullptr && (a.has_initial_state == nullptr || a.has_initial_state[n]);
@@ -51,12 +79,10 @@ __global__ void __launch_bounds__(D) segment_scan_kernel(const PrefillArgs a) {
     sS[r * kLd + c] = x;
     start0[idx] = x;
   }
-  __syncthreads();
 
   const int col0 = 32 * warp;
   for (int s = 0; s + 1 < nseg; ++s) {
     const float* L = segment_block<D>(a, n, sp, s, h, kSegMapL);
-    const float* A = segment_block<D>(a, n, sp, s, h, kSegMapA);
     float acc[4][4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -65,6 +91,16 @@ __global__ void __launch_bounds__(D) segment_scan_kernel(const PrefillArgs a) {
       const float2 l1 = *reinterpret_cast<const float2*>(L + static_cast<int64_t>(row0 + g + 8) * D + col);
       acc[j][0] = l0.x, acc[j][1] = l0.y, acc[j][2] = l1.x, acc[j][3] = l1.y;
     }
+    if (s + 2 < nseg) {  // A of the next step into the other stage (free since step s - 1 ended)
+      load_map_a_async<D>(segment_block<D>(a, n, sp, s + 1, h, kSegMapA),
+                          reinterpret_cast<float*>(smem + SM::kA + ((s + 1) & 1) * SM::kStageA), tid);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // A_s and S_s visible to every warp
+    const float* sA = reinterpret_cast<const float*>(smem + SM::kA + (s & 1) * SM::kStageA);
 #pragma unroll 4
     for (int kk = 0; kk < D / 8; ++kk) {
       const float x[4] = {sS[g * kLd + 8 * kk + t], sS[(g + 8) * kLd + 8 * kk + t],
@@ -78,8 +114,8 @@ __global__ void __launch_bounds__(D) segment_scan_kernel(const PrefillArgs a) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int col = col0 + 8 * j + g;
-        const float b0 = A[static_cast<int64_t>(8 * kk + t) * D + col];
-        const float b1 = A[static_cast<int64_t>(8 * kk + t + 4) * D + col];
+        const float b0 = sA[(8 * kk + t) * kLdA + col];
+        const float b1 = sA[(8 * kk + t + 4) * kLdA + col];
         const uint32_t b0h = to_tf32(b0), b1h = to_tf32(b1);
         const uint32_t b0l = to_tf32(b0 - __uint_as_float(b0h)), b1l = to_tf32(b1 - __uint_as_float(b1h));
         mma_tf32(acc[j], alo, b0h, b1h);
@@ -87,7 +123,7 @@ __global__ void __launch_bounds__(D) segment_scan_kernel(const PrefillArgs a) {
         mma_tf32(acc[j], ahi, b0h, b1h);
       }
     }
-    __syncthreads();  // every warp has read S_s
+    __syncthreads();  // every warp has read S_s and A_s
     float* next = segment_block<D>(a, n, sp, s + 1, h, kSegStart);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -99,7 +135,6 @@ __global__ void __launch_bounds__(D) segment_scan_kernel(const PrefillArgs a) {
       *reinterpret_cast<float2*>(next + static_cast<int64_t>(row0 + g + 8) * D + col) =
           make_float2(acc[j][2], acc[j][3]);
     }
-    __syncthreads();
   }
 }
 
