@@ -206,6 +206,11 @@ Status run_prefill_cuda(const PrefillParams& p, const ProblemShape& shape, void*
   a.ht = p.final_state.defined() ? p.final_state.data : nullptr;
   const TensorRef& st_ref = p.initial_state.defined() ? p.initial_state : p.final_state;
   a.state_fp32 = st_ref.defined() ? (st_ref.dtype == DType::kFloat32) : 1;
+  {
+    const uintptr_t pair_bytes = a.state_fp32 ? 8 : 4;
+    a.state_pairs = (reinterpret_cast<uintptr_t>(a.h0) % pair_bytes == 0) &&
+                    (reinterpret_cast<uintptr_t>(a.ht) % pair_bytes == 0);
+  }
   a.pool_rows = st_ref.defined() ? st_ref.sizes[0] : 0;
   a.state_indices = p.state_indices.defined() ? p.state_indices.data : nullptr;
   a.idx_int64 = p.state_indices.defined() && p.state_indices.dtype == DType::kInt64;

@@ -146,12 +146,25 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
   const bool has_h0 = a.h0 != nullptr && (a.has_initial_state == nullptr || a.has_initial_state[n]);
   const int64_t sbase = (srow * a.H + h) * static_cast<int64_t>(D) * D;
   if constexpr (kWhole) {
+    if (a.state_pairs) {
 #pragma unroll
-    for (int j = 0; j < NT; ++j) {
+      for (int j = 0; j < NT; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int64_t idx = sbase + static_cast<int64_t>(r0 + 8 * (e >> 1)) * D + 8 * j + 2 * t + (e & 1);
-        s[j][e] = has_h0 ? load_scalar(a.h0, a.state_fp32, idx) : 0.f;
+        for (int e = 0; e < 4; e += 2) {
+          const int64_t idx = sbase + static_cast<int64_t>(r0 + 8 * (e >> 1)) * D + 8 * j + 2 * t;
+          const float2 x = has_h0 ? load_pair(a.h0, a.state_fp32, idx) : make_float2(0.f, 0.f);
+          s[j][e] = x.x;
+          s[j][e + 1] = x.y;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int64_t idx = sbase + static_cast<int64_t>(r0 + 8 * (e >> 1)) * D + 8 * j + 2 * t + (e & 1);
+          s[j][e] = has_h0 ? load_scalar(a.h0, a.state_fp32, idx) : 0.f;
+        }
       }
     }
   } else if constexpr (kMap) {
@@ -383,7 +396,16 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
   if constexpr (kWhole) {
     if (a.ckpt_offsets != nullptr) write_checkpoints(nchunks);
   }
-  if (a.ht != nullptr && last_segment) {
+  if (a.ht != nullptr && last_segment && a.state_pairs) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const int64_t idx = sbase + static_cast<int64_t>(r0 + 8 * (e >> 1)) * D + 8 * j + 2 * t;
+        store_pair(a.ht, a.state_fp32, idx, s[j][e], s[j][e + 1]);
+      }
+    }
+  } else if (a.ht != nullptr && last_segment) {
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
 #pragma unroll
