@@ -210,6 +210,7 @@ Status run_prefill_cuda(const PrefillParams& p, const ProblemShape& shape, void*
     const uintptr_t pair_bytes = a.state_fp32 ? 8 : 4;
     a.state_pairs = (reinterpret_cast<uintptr_t>(a.h0) % pair_bytes == 0) &&
                     (reinterpret_cast<uintptr_t>(a.ht) % pair_bytes == 0);
+    a.ht_vec16 = a.ht != nullptr && aligned16(a.ht);
   }
   a.pool_rows = st_ref.defined() ? st_ref.sizes[0] : 0;
   a.state_indices = p.state_indices.defined() ? p.state_indices.data : nullptr;

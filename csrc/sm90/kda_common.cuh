@@ -47,6 +47,7 @@ struct PrefillArgs {
   void* ht;              // [N or P, H, V, K] or null
   int state_fp32;
   int state_pairs;         // h0 and ht aligned to two elements: paired (float2 / bf16x2) accesses
+  int ht_vec16;            // ht 16-byte aligned: the final state leaves in 16-byte stores
   const void* cu_seqlens;  // [N + 1] or null
   int cu_int64;
   const void* state_indices;  // [N] or null

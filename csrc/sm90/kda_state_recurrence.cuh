@@ -396,13 +396,42 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
   if constexpr (kWhole) {
     if (a.ckpt_offsets != nullptr) write_checkpoints(nchunks);
   }
-  if (a.ht != nullptr && last_segment && a.state_pairs) {
+  if (a.ht != nullptr && last_segment && a.ht_vec16) {
+    // The warp's 16 state rows are 16 D contiguous entries of ht: they go through shared memory (the
+    // record stages, free since the last chunk's barrier) and out as 16-byte stores, whole sectors
+    // for either dtype (the fragment layout alone writes 8- or 4-byte pieces).
+    constexpr int kLdX = D + 4;
+    static_assert(NW * 16 * kLdX * 4 <= 2 * SM::kStage, "state exit tile must fit in the stages");
+    float* x = reinterpret_cast<float*>(smem) + warp * 16 * kLdX;
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; e += 2) {
-        const int64_t idx = sbase + static_cast<int64_t>(r0 + 8 * (e >> 1)) * D + 8 * j + 2 * t;
-        store_pair(a.ht, a.state_fp32, idx, s[j][e], s[j][e + 1]);
+        *reinterpret_cast<float2*>(x + (g + 8 * (e >> 1)) * kLdX + 8 * j + 2 * t) =
+            make_float2(s[j][e], s[j][e + 1]);
+      }
+    }
+    __syncwarp();
+    const int64_t base = sbase + static_cast<int64_t>(v0 + 16 * warp) * D;
+    if (a.state_fp32) {
+      float* dst = static_cast<float*>(a.ht) + base;
+      for (int i = lane; i < 16 * D / 4; i += 32) {
+        const int row = i / (D / 4), c4 = (i % (D / 4)) * 4;
+        *reinterpret_cast<float4*>(dst + row * D + c4) =
+            *reinterpret_cast<const float4*>(x + row * kLdX + c4);
+      }
+    } else {
+      bf16* dst = static_cast<bf16*>(a.ht) + base;
+      for (int i = lane; i < 16 * D / 8; i += 32) {
+        const int row = i / (D / 8), c8 = (i % (D / 8)) * 8;
+        const float4 lo = *reinterpret_cast<const float4*>(x + row * kLdX + c8);
+        const float4 hi = *reinterpret_cast<const float4*>(x + row * kLdX + c8 + 4);
+        uint4 u;
+        u.x = pack_bf16(lo.x, lo.y);
+        u.y = pack_bf16(lo.z, lo.w);
+        u.z = pack_bf16(hi.x, hi.y);
+        u.w = pack_bf16(hi.z, hi.w);
+        *reinterpret_cast<uint4*>(dst + row * D + c8) = u;
       }
     }
   } else if (a.ht != nullptr && last_segment) {

@@ -1,0 +1,57 @@
+"""fp32 vs bf16 state in/out on the same prefill (issue 4: bf16 must be no slower), interleaved.
+
+One median of CUDA-graph replays moves by ~0.5% between runs, the size of the difference in question,
+so the two dtypes are timed in alternation, ROUNDS times each, through the same op (flashkda.prefill)
+on the same inputs, and the median over rounds of each, the per-round bf16 / fp32 ratios and their
+median are reported.  Usage: python3 bench/bench_state_dtype.py [--json out.json] [--rounds 7].
+"""
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from bench_prefill import CASES, OursVariant, make_inputs, time_graph
+
+CASE_IDS = (0, 3)  # 8x2048 H16, 1x8192 H64
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--iters", type=int, default=50)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to benchmark")
+        return 0
+    rows = []
+    for i in CASE_IDS:
+        name, lens, H = CASES[i]
+        x = make_inputs(lens, H)
+        fns = {"fp32": OursVariant(x, H, "fp32_state_prefill_op"), "bf16": OursVariant(x, H, "bf16_state")}
+        times = {"fp32": [], "bf16": []}
+        for r in range(args.rounds):
+            order = ("fp32", "bf16") if r % 2 == 0 else ("bf16", "fp32")
+            for k in order:
+                times[k].append(time_graph(fns[k], args.iters)[0])
+        ratios = [b / f for f, b in zip(times["fp32"], times["bf16"])]
+        row = {"case": name, "fp32_us": times["fp32"], "bf16_us": times["bf16"],
+               "fp32_median_us": statistics.median(times["fp32"]), "bf16_median_us": statistics.median(times["bf16"]),
+               "bf16_over_fp32_median": statistics.median(ratios), "rounds_bf16_faster": sum(q < 1 for q in ratios)}
+        rows.append(row)
+        print(f"{name:14s} fp32 {row['fp32_median_us']:8.1f} us  bf16 {row['bf16_median_us']:8.1f} us  "
+              f"bf16/fp32 median {row['bf16_over_fp32_median']:.4f}  bf16 faster in {row['rounds_bf16_faster']}"
+              f"/{args.rounds} rounds  (fp32 {min(times['fp32']):.1f}-{max(times['fp32']):.1f}, "
+              f"bf16 {min(times['bf16']):.1f}-{max(times['bf16']):.1f})", flush=True)
+        del fns, x
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"state_dtype": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
