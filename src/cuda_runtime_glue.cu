@@ -184,11 +184,11 @@ void fill_token_args(Args* a, const Params& p, int64_t head_dim, void* workspace
 // sequence into sms / (N H D / 64) segments fills them (the map pass does twice the rows, the
 // apply pass the usual ones).  Segments are at least kCpMinSegmentChunks long (the workspace
 // bound), and a sequence must have two of them for the split to pay.
-int64_t segment_chunks(const ProblemShape& shape, int sms) {
+// chunks_max: chunks of the longest possible sequence (all T tokens of a row).
+int64_t segment_chunks(const ProblemShape& shape, int64_t chunks_max, int sms) {
   const int64_t forced = forced_segment_chunks();
   if (forced != 0) return forced > 0 ? forced : 0;
   if (shape.N * shape.H > kCpMaxSeqHeads || shape.N <= 0 || shape.H <= 0) return 0;
-  const int64_t chunks_max = (shape.T + kChunkTokens - 1) / kChunkTokens;
   const int64_t blocks = shape.N * shape.H * (shape.K / 64);
   const int64_t nseg = std::max<int64_t>(1, sms / blocks);
   const int64_t len = std::max(kCpMinSegmentChunks, (chunks_max + nseg - 1) / nseg);
@@ -206,12 +206,8 @@ Status run_prefill_cuda(const PrefillParams& p, const ProblemShape& shape, void*
   a.ht = p.final_state.defined() ? p.final_state.data : nullptr;
   const TensorRef& st_ref = p.initial_state.defined() ? p.initial_state : p.final_state;
   a.state_fp32 = st_ref.defined() ? (st_ref.dtype == DType::kFloat32) : 1;
-  {
-    const uintptr_t pair_bytes = a.state_fp32 ? 8 : 4;
-    a.state_pairs = (reinterpret_cast<uintptr_t>(a.h0) % pair_bytes == 0) &&
-                    (reinterpret_cast<uintptr_t>(a.ht) % pair_bytes == 0);
-    a.ht_vec16 = a.ht != nullptr && aligned16(a.ht);
-  }
+  a.h0_pairs = reinterpret_cast<uintptr_t>(a.h0) % (a.state_fp32 ? 8 : 4) == 0;
+  a.ht_vec16 = a.ht != nullptr && aligned16(a.ht);
   a.pool_rows = st_ref.defined() ? st_ref.sizes[0] : 0;
   a.state_indices = p.state_indices.defined() ? p.state_indices.data : nullptr;
   a.idx_int64 = p.state_indices.defined() && p.state_indices.dtype == DType::kInt64;
@@ -230,9 +226,9 @@ Status run_prefill_cuda(const PrefillParams& p, const ProblemShape& shape, void*
   a.ckpt_state = ckpt ? static_cast<float*>(p.checkpoint_state.data) : nullptr;
 
   const int sms = g_num_sms[p.q.device_index].load();
-  const int64_t seg_chunks = ckpt ? 0 : segment_chunks(shape, sms);
+  const int64_t chunks_max = (shape.T + kChunkTokens - 1) / kChunkTokens;  // of the longest sequence
+  const int64_t seg_chunks = ckpt ? 0 : segment_chunks(shape, chunks_max, sms);
   if (seg_chunks > 0) {
-    const int64_t chunks_max = (shape.T + kChunkTokens - 1) / kChunkTokens;  // of the longest sequence
     a.seg_chunks = static_cast<int>(seg_chunks);
     a.max_segs = static_cast<int>(std::max<int64_t>(1, (chunks_max + seg_chunks - 1) / seg_chunks));
     a.seg_ws = reinterpret_cast<float*>(a.records +

@@ -46,7 +46,7 @@ struct PrefillArgs {
   const void* h0;        // [N or P, H, V, K] or null
   void* ht;              // [N or P, H, V, K] or null
   int state_fp32;
-  int state_pairs;         // h0 and ht aligned to two elements: paired (float2 / bf16x2) accesses
+  int h0_pairs;            // h0 aligned to two elements: paired (float2 / bf16x2) loads
   int ht_vec16;            // ht 16-byte aligned: the final state leaves in 16-byte stores
   const void* cu_seqlens;  // [N + 1] or null
   int cu_int64;
@@ -182,6 +182,12 @@ __device__ inline float* segment_block(const PrefillArgs& a, int64_t n, const Se
   return a.seg_ws + ((slot * a.H + h) * 3 + part) * static_cast<int64_t>(D) * D;
 }
 enum : int { kSegStart = 0, kSegMapL = 1, kSegMapA = 2 };
+
+// Whether sequence n starts from the initial state (h0 given, and has_initial_state[n] when given)
+// rather than from zeros.
+__device__ inline bool starts_from_h0(const PrefillArgs& a, int64_t n) {
+  return a.h0 != nullptr && (a.has_initial_state == nullptr || a.has_initial_state[n]);
+}
 
 // State row of sequence n in the state tensors (pool addressing); negative = padding.
 __device__ inline int64_t state_row(const PrefillArgs& a, int64_t n) {
@@ -366,19 +372,11 @@ __device__ inline float load_scalar(const void* p, int is_fp32, int64_t i) {
   return is_fp32 ? static_cast<const float*>(p)[i] : __bfloat162float(static_cast<const bf16*>(p)[i]);
 }
 
-// Two adjacent state entries (i even, the pointer aligned to two elements): one 8- or 4-byte access
-// instead of two, half the load / store instructions of the state's entry and exit.
+// Two adjacent state entries (i even, the pointer aligned to two elements): one 8- or 4-byte load
+// instead of two, half the load instructions of the state's entry.
 __device__ inline float2 load_pair(const void* p, int is_fp32, int64_t i) {
   if (is_fp32) return *reinterpret_cast<const float2*>(static_cast<const float*>(p) + i);
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(static_cast<const bf16*>(p) + i));
-}
-
-__device__ inline void store_pair(void* p, int is_fp32, int64_t i, float x, float y) {
-  if (is_fp32) {
-    *reinterpret_cast<float2*>(static_cast<float*>(p) + i) = make_float2(x, y);
-  } else {
-    *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(p) + i) = __floats2bfloat162_rn(x, y);
-  }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(D) segment_scan_kernel(const PrefillArgs a) {
   cp_async_commit();
 
   // S_0: rows [row0, row0 + 16) of the initial state (or zeros), also stored as segment 0's start.
-  const bool has_h0 = a.h0 != nullptr && (a.has_initial_state == nullptr || a.has_initial_state[n]);
+  const bool has_h0 = starts_from_h0(a, n);
   const int64_t sbase = (srow * a.H + h) * static_cast<int64_t>(D) * D;
   float* start0 = segment_block<D>(a, n, sp, 0, h, kSegStart);
   for (int e = tid; e < 16 * D; e += kThreads) {

@@ -143,10 +143,10 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
   // State rows of this warp: r0 = v0 + 16 warp + g, r1 = r0 + 8; columns 8 j + 2 t (+1).
   float s[NT][4];
   const int r0 = v0 + 16 * warp + g;
-  const bool has_h0 = a.h0 != nullptr && (a.has_initial_state == nullptr || a.has_initial_state[n]);
+  const bool has_h0 = starts_from_h0(a, n);
   const int64_t sbase = (srow * a.H + h) * static_cast<int64_t>(D) * D;
   if constexpr (kWhole) {
-    if (a.state_pairs) {
+    if (a.h0_pairs) {
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
 #pragma unroll
