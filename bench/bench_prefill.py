@@ -109,12 +109,13 @@ class OursVariant:
     """The general prefill op with one serving feature switched on (issue 4's bf16-state rule, issue 6's
     pool addressing and checkpoints), to compare with the plain fp32-state call on the same inputs."""
 
-    def __init__(self, x, H, variant):
+    def __init__(self, x, H, variant, out=None, ws=None):
         T = x["q"].shape[1]
         N = x["cu32"].numel() - 1
         self.x, self.variant = x, variant
-        self.out = torch.empty_like(x["v"])
-        self.ws = torch.empty(flashkda.get_workspace_size(T, H, N), dtype=torch.uint8, device="cuda")
+        # out / ws may be shared between variants, so that buffer placement is not part of an A/B
+        self.out = torch.empty_like(x["v"]) if out is None else out
+        self.ws = torch.empty(flashkda.get_workspace_size(T, H, N), dtype=torch.uint8, device="cuda") if ws is None else ws
         self.kw = dict(initial_state=x["h0"], final_state=torch.empty(N, H, D, D, device="cuda"))
         if variant == "bf16_state":
             h0 = x["h0"].bfloat16()

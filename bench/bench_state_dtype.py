@@ -12,7 +12,8 @@ import statistics
 
 import torch
 
-from bench_prefill import CASES, OursVariant, make_inputs, time_graph
+import flashkda
+from bench_prefill import CASES, OursVariant, kernel_times, make_inputs, time_graph
 
 CASE_IDS = (0, 3)  # 8x2048 H16, 1x8192 H64
 
@@ -30,7 +31,12 @@ def main():
     for i in CASE_IDS:
         name, lens, H = CASES[i]
         x = make_inputs(lens, H)
-        fns = {"fp32": OursVariant(x, H, "fp32_state_prefill_op"), "bf16": OursVariant(x, H, "bf16_state")}
+        # One output and one workspace for both dtypes: the A/B differs in the state tensors only.
+        T, N = x["q"].shape[1], x["cu32"].numel() - 1
+        out = torch.empty_like(x["v"])
+        ws = torch.empty(flashkda.get_workspace_size(T, H, N), dtype=torch.uint8, device="cuda")
+        fns = {"fp32": OursVariant(x, H, "fp32_state_prefill_op", out, ws),
+               "bf16": OursVariant(x, H, "bf16_state", out, ws)}
         times = {"fp32": [], "bf16": []}
         for r in range(args.rounds):
             order = ("fp32", "bf16") if r % 2 == 0 else ("bf16", "fp32")
@@ -40,11 +46,15 @@ def main():
         row = {"case": name, "fp32_us": times["fp32"], "bf16_us": times["bf16"],
                "fp32_median_us": statistics.median(times["fp32"]), "bf16_median_us": statistics.median(times["bf16"]),
                "bf16_over_fp32_median": statistics.median(ratios), "rounds_bf16_faster": sum(q < 1 for q in ratios)}
+        row["kernel_us"] = {k: kernel_times(fns[k], args.iters) for k in ("fp32", "bf16")}
         rows.append(row)
         print(f"{name:14s} fp32 {row['fp32_median_us']:8.1f} us  bf16 {row['bf16_median_us']:8.1f} us  "
               f"bf16/fp32 median {row['bf16_over_fp32_median']:.4f}  bf16 faster in {row['rounds_bf16_faster']}"
               f"/{args.rounds} rounds  (fp32 {min(times['fp32']):.1f}-{max(times['fp32']):.1f}, "
               f"bf16 {min(times['bf16']):.1f}-{max(times['bf16']):.1f})", flush=True)
+        for kname in row["kernel_us"]["fp32"]:
+            print(f"    {kname:60s} fp32 {row['kernel_us']['fp32'][kname]:8.1f}  "
+                  f"bf16 {row['kernel_us']['bf16'].get(kname, float('nan')):8.1f} us", flush=True)
         del fns, x
         torch.cuda.empty_cache()
     if args.json:

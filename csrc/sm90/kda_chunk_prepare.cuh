@@ -439,23 +439,70 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   const bool staged = a.vec_q && a.vec_k && a.vec_v && a.vec_g;
   uint16_t* sGraw = reinterpret_cast<uint16_t*>(smem + SM::kL);  // bf16 g staging, pitch D
   static_assert(kChunk * D * 2 <= kChunk * PrepareSmem<D>::kLdT * 4, "bf16 g staging must fit over L");
-  if (staged) {
+  // Per-row beta as raw bits and the head's gate parameters are issued first, so that their round
+  // trip overlaps the staging below (issued after it, exp(A_log) waited for its load on its own).
+  // Rows past the end load the last row (never used) so that the loads carry no branch: a load
+  // inside a per-pass branch made each pass wait for its own round trip.
+  uint32_t bbits[PASSES];
+  {
+    int64_t bi[PASSES];
 #pragma unroll
     for (int pass = 0; pass < PASSES; ++pass) {
       const int r = rbase + pass * RPP;
-      if (r < rows) {
-        const int64_t tok = mapped_row(a, tok0 + r);
-        cp_async_16(sQ + r * ldh + c8, a.q + sp.batch * a.q_sb + tok * a.q_st + h * D + c8);
-        cp_async_16(sK + r * ldh + c8, a.k + sp.batch * a.k_sb + tok * a.k_st + h * D + c8);
-        cp_async_16(sV + r * ldh + c8, a.v + sp.batch * a.v_sb + tok * a.v_st + h * D + c8);
-        const int64_t go = sp.batch * a.g_sb + tok * a.g_st + h * D + c8;
-        if (a.g_fp32) {
-          const float* gp = static_cast<const float*>(a.g) + go;
-          cp_async_16(sG + r * ldf + c8, gp);
-          cp_async_16(sG + r * ldf + c8 + 4, gp + 4);
-        } else {
-          cp_async_16(sGraw + r * D + c8, static_cast<const bf16*>(a.g) + go);
-        }
+      bi[pass] = sp.batch * a.beta_sb + mapped_row(a, tok0 + (r < rows ? r : rows - 1)) * a.beta_st + h;
+    }
+    if (a.beta_fp32) {
+#pragma unroll
+      for (int pass = 0; pass < PASSES; ++pass) bbits[pass] = static_cast<const uint32_t*>(a.beta)[bi[pass]];
+    } else {  // bf16 bits in the high half are the same value as fp32
+#pragma unroll
+      for (int pass = 0; pass < PASSES; ++pass) bbits[pass] = static_cast<const uint16_t*>(a.beta)[bi[pass]];
+    }
+  }
+  const float A_log_h = gated ? a.A_log[h] : 0.f;
+  float gb[8];  // dt_bias of the thread's 8 columns (folded into the bounded gate's constant below)
+#pragma unroll
+  for (int i = 0; i < 8; ++i) gb[i] = gated ? a.dt_bias[h * D + c8 + i] : 0.f;
+
+  if (staged) {
+    // Row offsets are hoisted: without a row map the thread's row advances by RPP tokens a pass, so
+    // each tensor's address is one 64-bit add per pass (recomputing batch * sb + tok * st + h D
+    // inside the per-pass branch cost ~100 instructions a pass).
+    const int gsz = a.g_fp32 ? 4 : 2;
+    const char* qp = reinterpret_cast<const char*>(a.q + sp.batch * a.q_sb + h * D + c8);
+    const char* kp = reinterpret_cast<const char*>(a.k + sp.batch * a.k_sb + h * D + c8);
+    const char* vp = reinterpret_cast<const char*>(a.v + sp.batch * a.v_sb + h * D + c8);
+    const char* gp = static_cast<const char*>(a.g) + (sp.batch * a.g_sb + h * D + c8) * gsz;
+    const int64_t qst = a.q_st * 2, kst = a.k_st * 2, vst = a.v_st * 2, gst = a.g_st * gsz;
+    uint16_t* sq = sQ + rbase * ldh + c8;
+    uint16_t* sk = sK + rbase * ldh + c8;
+    uint16_t* sv = sV + rbase * ldh + c8;
+    float* sg = sG + rbase * ldf + c8;
+    uint16_t* sgr = sGraw + rbase * D + c8;
+    auto stage_row = [&](int pass, int64_t tok) {
+      cp_async_16(sq + pass * RPP * ldh, qp + tok * qst);
+      cp_async_16(sk + pass * RPP * ldh, kp + tok * kst);
+      cp_async_16(sv + pass * RPP * ldh, vp + tok * vst);
+      if (a.g_fp32) {
+        cp_async_16(sg + pass * RPP * ldf, gp + tok * gst);
+        cp_async_16(sg + pass * RPP * ldf + 4, gp + tok * gst + 16);
+      } else {
+        cp_async_16(sgr + pass * RPP * D, gp + tok * gst);
+      }
+    };
+    if (a.token_rows == nullptr) {
+      qp += (tok0 + rbase) * qst, kp += (tok0 + rbase) * kst, vp += (tok0 + rbase) * vst;
+      gp += (tok0 + rbase) * gst;
+#pragma unroll
+      for (int pass = 0; pass < PASSES; ++pass) {
+        if (rbase + pass * RPP < rows) stage_row(pass, 0);
+        qp += RPP * qst, kp += RPP * kst, vp += RPP * vst, gp += RPP * gst;
+      }
+    } else {
+#pragma unroll 1
+      for (int pass = 0; pass < PASSES; ++pass) {
+        const int r = rbase + pass * RPP;
+        if (r < rows) stage_row(pass, mapped_row(a, tok0 + r));
       }
     }
     cp_async_commit();
@@ -485,31 +532,21 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
       }
     }
   }
-  // Per-row beta as raw bits and the head's gate parameters, all in flight with the copies.  Rows
-  // past the end load the last row (never used) so that the loads carry no branch: a load inside
-  // a per-pass branch made each pass wait for its own round trip.
-  uint32_t bbits[PASSES];
-  {
-    int64_t bi[PASSES];
+  if (!a.beta_fp32) {
 #pragma unroll
-    for (int pass = 0; pass < PASSES; ++pass) {
-      const int r = rbase + pass * RPP;
-      bi[pass] = sp.batch * a.beta_sb + mapped_row(a, tok0 + (r < rows ? r : rows - 1)) * a.beta_st + h;
-    }
-    if (a.beta_fp32) {
-#pragma unroll
-      for (int pass = 0; pass < PASSES; ++pass) bbits[pass] = static_cast<const uint32_t*>(a.beta)[bi[pass]];
-    } else {  // bf16 bits in the high half are the same value as fp32
-#pragma unroll
-      for (int pass = 0; pass < PASSES; ++pass) bbits[pass] = static_cast<const uint16_t*>(a.beta)[bi[pass]];
-#pragma unroll
-      for (int pass = 0; pass < PASSES; ++pass) bbits[pass] <<= 16;
-    }
+    for (int pass = 0; pass < PASSES; ++pass) bbits[pass] <<= 16;
   }
-  const float expA_h = gated ? expf(a.A_log[h]) : 0.f;
-  float dtb[8];
+  // Gate constants (log2 units).  Bounded: lower_bound sigmoid(e (g + dtb)) log2(e) with e = exp(A_log)
+  // is lb2 / (1 + 2^(c1 g + c1 dtb)), c1 = -e log2(e), lb2 = lower_bound log2(e): one FFMA, two SFU ops
+  // and an FADD and FMUL per element (the unfolded form took ~15 instructions with __expf's
+  // denormal handling and the per-element mode branches).
+  const int gate_mode = a.gate_mode;
+  const float expA_h = gated ? expf(A_log_h) : 0.f;
+  const float c1 = -expA_h * kLog2e, lb2 = a.lower_bound * kLog2e;
+  if (gate_mode == kGateBounded) {
 #pragma unroll
-  for (int i = 0; i < 8; ++i) dtb[i] = gated ? a.dt_bias[h * D + c8 + i] : 0.f;
+    for (int i = 0; i < 8; ++i) gb[i] *= c1;
+  }
   if (staged) cp_async_wait<0>();
 
 #pragma unroll
@@ -530,12 +567,19 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
         load8_qk(sGraw + r * D + c8, false, xg);
       }
       const float braw = __uint_as_float(bbits[pass]);  // bf16 bits sit in the high half
-      b = a.beta_sigmoid ? sigmoidf_<true>(braw) : braw;
+      b = a.beta_sigmoid ? fast_rcp(1.f + fast_exp2(-kLog2e * braw)) : braw;
+      if (gate_mode == kGateBounded) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        xg[i] = gate_log_decay<true>(a.gate_mode, xg[i], expA_h, dtb[i], a.lower_bound) * kLog2e;
-        vmax = fmaxf(vmax, fabsf(xv[i]));
+        for (int i = 0; i < 8; ++i) xg[i] = lb2 * fast_rcp(1.f + fast_exp2(fmaf(xg[i], c1, gb[i])));
+      } else if (gate_mode == kGateSoftplus) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) xg[i] = -expA_h * softplusf_(xg[i] + gb[i]) * kLog2e;
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) xg[i] *= kLog2e;
       }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) vmax = fmaxf(vmax, fabsf(xv[i]));
     } else {
 #pragma unroll
       for (int i = 0; i < 8; ++i) xq[i] = xk[i] = xg[i] = xv[i] = 0.f;
@@ -636,20 +680,31 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   const int shift_v = pow2_shift(__int_as_float(sMax[0]), 8);  // |v 2^-shift_v| < 2^8
   const int shift_k = pow2_shift(__int_as_float(sMax[1]), 0);  // |kt 2^-shift_k| < 1
   uint4 ktv[PASSES];
+  float gl[8];  // G of the chunk's last row, the same for every pass
+  {
+    const float4 u0 = *reinterpret_cast<const float4*>(sG + (kChunk - 1) * ldf + c8),
+                 u1 = *reinterpret_cast<const float4*>(sG + (kChunk - 1) * ldf + c8 + 4);
+    gl[0] = u0.x, gl[1] = u0.y, gl[2] = u0.z, gl[3] = u0.w, gl[4] = u1.x, gl[5] = u1.y, gl[6] = u1.z, gl[7] = u1.w;
+  }
 #pragma unroll
   for (int pass = 0; pass < PASSES; ++pass) {
     const int r = rbase + pass * RPP;
-    float xq[8], xk[8], xd[8], xv[8];
+    float xq[8], xk[8], xd[8], xv[8], xg[8];
     load8_qk(sQ + r * ldh + c8, qk16, xq);
     load8_qk(sK + r * ldh + c8, qk16, xk);
     load8_qk(sV + r * ldh + c8, false, xv);
+    {
+      const float4 u0 = *reinterpret_cast<const float4*>(sG + r * ldf + c8),
+                   u1 = *reinterpret_cast<const float4*>(sG + r * ldf + c8 + 4);
+      xg[0] = u0.x, xg[1] = u0.y, xg[2] = u0.z, xg[3] = u0.w, xg[4] = u1.x, xg[5] = u1.y, xg[6] = u1.z, xg[7] = u1.w;
+    }
     const float sk = pow2i(-shift_k), sv = pow2i(-shift_v);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const float gg = sG[r * ldf + c8 + i], gl = sG[(kChunk - 1) * ldf + c8 + i];
+      const float gg = xg[i];
       const float e = fast_exp2(gg);
       xq[i] = scale * xq[i] * e;
-      xd[i] = xk[i] * fast_exp2(gl - gg) * kd_scale;
+      xd[i] = xk[i] * fast_exp2(gl[i] - gg) * kd_scale;
       xk[i] *= sk * e;
       xv[i] *= sv;
     }

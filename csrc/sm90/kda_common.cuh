@@ -341,6 +341,13 @@ __device__ inline float fast_exp2(float x) {
   return y;
 }
 
+// 1/x on the SFU (rcp.approx.ftz: ~1 ulp; 1/inf = 0, which the gates rely on when 2^x overflows).
+__device__ inline float fast_rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Preprocessing math (spec section 2).  Gate results are in natural-log units.
 // ---------------------------------------------------------------------------------------------
@@ -370,13 +377,6 @@ __device__ inline float gate_log_decay(int mode, float g, float exp_A_log_h, flo
 
 __device__ inline float load_scalar(const void* p, int is_fp32, int64_t i) {
   return is_fp32 ? static_cast<const float*>(p)[i] : __bfloat162float(static_cast<const bf16*>(p)[i]);
-}
-
-// Two adjacent state entries (i even, the pointer aligned to two elements): one 8- or 4-byte load
-// instead of two, half the load instructions of the state's entry.
-__device__ inline float2 load_pair(const void* p, int is_fp32, int64_t i) {
-  if (is_fp32) return *reinterpret_cast<const float2*>(static_cast<const float*>(p) + i);
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(static_cast<const bf16*>(p) + i));
 }
 
 // ---------------------------------------------------------------------------------------------

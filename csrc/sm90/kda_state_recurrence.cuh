@@ -147,14 +147,38 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
   const int64_t sbase = (srow * a.H + h) * static_cast<int64_t>(D) * D;
   if constexpr (kWhole) {
     if (a.h0_pairs) {
+      // Every load is issued before any is converted: with the conversion next to its load, the bf16
+      // path reused one register for all 32 loads and waited for each in turn (+4 us a call).
+      const int64_t row_base = sbase + static_cast<int64_t>(r0) * D + 2 * t;
+      if (!has_h0) {
 #pragma unroll
-      for (int j = 0; j < NT; ++j) {
+        for (int j = 0; j < NT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+      } else if (a.state_fp32) {
+        const float* h0 = static_cast<const float*>(a.h0) + row_base;
 #pragma unroll
-        for (int e = 0; e < 4; e += 2) {
-          const int64_t idx = sbase + static_cast<int64_t>(r0 + 8 * (e >> 1)) * D + 8 * j + 2 * t;
-          const float2 x = has_h0 ? load_pair(a.h0, a.state_fp32, idx) : make_float2(0.f, 0.f);
-          s[j][e] = x.x;
-          s[j][e + 1] = x.y;
+        for (int j = 0; j < NT; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; e += 2) {
+            const float2 x = *reinterpret_cast<const float2*>(h0 + 8 * (e >> 1) * D + 8 * j);
+            s[j][e] = x.x;
+            s[j][e + 1] = x.y;
+          }
+        }
+      } else {
+        const bf16* h0 = static_cast<const bf16*>(a.h0) + row_base;
+        uint32_t raw[NT][2];
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) raw[j][e] = *reinterpret_cast<const uint32_t*>(h0 + 8 * e * D + 8 * j);
+        }
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {  // element idx is the low half (little-endian)
+            s[j][2 * e] = __uint_as_float(raw[j][e] << 16);
+            s[j][2 * e + 1] = __uint_as_float(raw[j][e] & 0xffff0000u);
+          }
         }
       }
     } else {
