@@ -120,6 +120,9 @@ class OursVariant:
         if variant == "bf16_state":
             h0 = x["h0"].bfloat16()
             self.kw = dict(initial_state=h0, final_state=torch.empty_like(h0))
+        elif variant == "fp32_state_bf16_values":  # control: fp32 tensors holding the bf16 variant's values
+            h0 = x["h0"].bfloat16().float()
+            self.kw = dict(initial_state=h0, final_state=torch.empty_like(h0))
         elif variant == "pool":  # a pool of 4N rows, rows picked by a permutation, updated in place
             gen = torch.Generator(device="cuda").manual_seed(1)
             pool = 0.1 * torch.randn(4 * N, H, D, D, device="cuda", generator=gen)

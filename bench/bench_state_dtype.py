@@ -35,26 +35,37 @@ def main():
         T, N = x["q"].shape[1], x["cu32"].numel() - 1
         out = torch.empty_like(x["v"])
         ws = torch.empty(flashkda.get_workspace_size(T, H, N), dtype=torch.uint8, device="cuda")
+        # fp32_bf16vals: fp32 tensors holding the bf16-rounded values (separates a dtype cost from a
+        # data-dependent one).
         fns = {"fp32": OursVariant(x, H, "fp32_state_prefill_op", out, ws),
-               "bf16": OursVariant(x, H, "bf16_state", out, ws)}
-        times = {"fp32": [], "bf16": []}
+               "bf16": OursVariant(x, H, "bf16_state", out, ws),
+               "fp32_bf16vals": OursVariant(x, H, "fp32_state_bf16_values", out, ws)}
+        times = {k: [] for k in fns}
         for r in range(args.rounds):
-            order = ("fp32", "bf16") if r % 2 == 0 else ("bf16", "fp32")
+            order = list(fns) if r % 2 == 0 else list(reversed(list(fns)))
             for k in order:
                 times[k].append(time_graph(fns[k], args.iters)[0])
         ratios = [b / f for f, b in zip(times["fp32"], times["bf16"])]
         row = {"case": name, "fp32_us": times["fp32"], "bf16_us": times["bf16"],
                "fp32_median_us": statistics.median(times["fp32"]), "bf16_median_us": statistics.median(times["bf16"]),
                "bf16_over_fp32_median": statistics.median(ratios), "rounds_bf16_faster": sum(q < 1 for q in ratios)}
-        row["kernel_us"] = {k: kernel_times(fns[k], args.iters) for k in ("fp32", "bf16")}
+        row["fp32_bf16vals_us"] = times["fp32_bf16vals"]
+        row["fp32_bf16vals_median_us"] = statistics.median(times["fp32_bf16vals"])
+        # per-kernel times, interleaved over 3 rounds (median per kernel)
+        kt = {k: [] for k in fns}
+        for r in range(3):
+            for k in (list(fns) if r % 2 == 0 else list(reversed(list(fns)))):
+                kt[k].append(kernel_times(fns[k], args.iters))
+        row["kernel_us"] = {k: {name: statistics.median(d[name] for d in kt[k]) for name in kt[k][0]} for k in fns}
         rows.append(row)
         print(f"{name:14s} fp32 {row['fp32_median_us']:8.1f} us  bf16 {row['bf16_median_us']:8.1f} us  "
               f"bf16/fp32 median {row['bf16_over_fp32_median']:.4f}  bf16 faster in {row['rounds_bf16_faster']}"
               f"/{args.rounds} rounds  (fp32 {min(times['fp32']):.1f}-{max(times['fp32']):.1f}, "
               f"bf16 {min(times['bf16']):.1f}-{max(times['bf16']):.1f})", flush=True)
+        print(f"    fp32 holding bf16 values: {row['fp32_bf16vals_median_us']:8.1f} us", flush=True)
         for kname in row["kernel_us"]["fp32"]:
-            print(f"    {kname:60s} fp32 {row['kernel_us']['fp32'][kname]:8.1f}  "
-                  f"bf16 {row['kernel_us']['bf16'].get(kname, float('nan')):8.1f} us", flush=True)
+            print(f"    {kname:60s} " + "  ".join(f"{k} {row['kernel_us'][k].get(kname, float('nan')):8.1f}" for k in fns)
+                  + " us", flush=True)
         del fns, x
         torch.cuda.empty_cache()
     if args.json:

@@ -158,8 +158,8 @@ __device__ inline void load8_qk(const uint16_t* p, bool fp16, float (&x)[8]) {
     float2 f;
     if (fp16) {
       f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
-    } else {
-      f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
+    } else {  // one shift or mask per element (the intrinsic's high half took a PRMT and a shift)
+      f = make_float2(__uint_as_float(w[i] << 16), __uint_as_float(w[i] & 0xffff0000u));
     }
     x[2 * i] = f.x;
     x[2 * i + 1] = f.y;
@@ -227,14 +227,57 @@ __device__ inline void lk_block_diag_tf32(const uint16_t* sQ, const uint16_t* sK
 }
 
 // One 16x16 block (I, J) of L and MQK on tensor cores, factorised around reference row `ref`.
-template <int D>
-__device__ inline void lk_block_mma(const uint16_t* sQ, const uint16_t* sK, bool fp16, const float* sG,
-                                    const float* sB, float* sL, bf16* mqk, float scale, int I, int J, int ref,
-                                    int lane) {
+// kF16 (l2-normalised q and k, held as fp16 in smem): both factors are at most 1 in magnitude, so the
+// operands are formed and multiplied in fp16 (packed: the decay pair rounded to half2, one HMUL2 per
+// operand pair) instead of converted to fp32, scaled and rounded to bf16: a third of the block's
+// instructions, and fp16's 11-bit mantissa is finer than bf16's 8 (terms under fp16's 2^-24 flush,
+// far below the block's O(1) entries).  Raw (unnormalised) q and k need bf16's range.
+template <int D, bool kF16>
+__device__ inline void lk_block_mma(const uint16_t* sQ, const uint16_t* sK, const float* sG, const float* sB,
+                                    float* sL, bf16* mqk, float scale, int I, int J, int ref, int lane) {
   constexpr int ldf = PrepareSmem<D>::kLdF, ldh = PrepareSmem<D>::kLdH;
+  constexpr bool fp16 = kF16;
   const int g = lane >> 2, t = lane & 3;
   float accL[2][4] = {}, accM[2][4] = {};
   const float* gref = sG + ref * ldf;
+  if constexpr (kF16) {
+#pragma unroll 2
+    for (int s = 0; s < D / 16; ++s) {
+      uint32_t ak[4], aq[4], bk[2][2];
+#pragma unroll
+      for (int h = 0; h < 4; ++h) {  // a0: (g, 2t) a1: (g+8, 2t) a2: (g, 2t+8) a3: (g+8, 2t+8)
+        const int row = 16 * I + g + (h & 1) * 8;
+        const int col = 16 * s + 2 * t + (h >> 1) * 8;
+        const float2 gg = *reinterpret_cast<const float2*>(sG + row * ldf + col);
+        const float2 gr = *reinterpret_cast<const float2*>(gref + col);
+        const __half2 e = __floats2half2_rn(fast_exp2(gg.x - gr.x), fast_exp2(gg.y - gr.y));
+        const __half2 kk = __hmul2(*reinterpret_cast<const __half2*>(sK + row * ldh + col), e);
+        const __half2 qq = __hmul2(*reinterpret_cast<const __half2*>(sQ + row * ldh + col), e);
+        ak[h] = *reinterpret_cast<const uint32_t*>(&kk);
+        aq[h] = *reinterpret_cast<const uint32_t*>(&qq);
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // b0: k rows 2t, 2t+1; b1: 2t+8, 2t+9; n col g
+          const int row = 16 * J + 8 * nt + g;
+          const int col = 16 * s + 2 * t + 8 * h;
+          const float2 gg = *reinterpret_cast<const float2*>(sG + row * ldf + col);
+          const float2 gr = *reinterpret_cast<const float2*>(gref + col);
+          const __half2 e = __floats2half2_rn(fast_exp2(gr.x - gg.x), fast_exp2(gr.y - gg.y));
+          const __half2 kk = __hmul2(*reinterpret_cast<const __half2*>(sK + row * ldh + col), e);
+          bk[nt][h] = *reinterpret_cast<const uint32_t*>(&kk);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        mma_f16(accL[nt], ak, bk[nt][0], bk[nt][1]);
+        mma_f16(accM[nt], aq, bk[nt][0], bk[nt][1]);
+      }
+    }
+    store_lk_block<D>(accL, accM, sB, sL, mqk, scale, I, J, lane);
+    return;
+  }
 #pragma unroll 2
   for (int s = 0; s < D / 16; ++s) {
     uint32_t ak[4], aq[4], bk[2][2];
@@ -426,7 +469,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   char* rec = a.records + (static_cast<int64_t>(blockIdx.x) * a.H + h) * ChunkRecord<D>::kBytes;
   const int c8 = (tid % TPR) * 8, rbase = tid / TPR;
   if (tid < 8) sMax[tid] = 0;  // ordered before the atomics by the first __syncthreads
-  float vmax = 0.f, kmax = 0.f, qn2max = 0.f, kn2max = 0.f;
+  float kmax = 0.f, qn2max = 0.f, kn2max = 0.f;
+  __nv_bfloat162 vmax2 = __float2bfloat162_rn(0.f);  // max |v| on packed bf16 (v needs no fp32 here)
 
   // ---- 1. load and preprocess -------------------------------------------------------------------
   // The chunk's raw q, k, v and g rows are first staged in shared memory: q, k and v in their final
@@ -552,12 +596,20 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
 #pragma unroll
   for (int pass = 0; pass < PASSES; ++pass) {
     const int r = rbase + pass * RPP;
-    float xq[8], xk[8], xg[8], xv[8];
+    float xq[8], xk[8], xg[8];
     float b = 0.f;
     if (r < rows) {
       load8_qk(sQ + r * ldh + c8, false, xq);
       load8_qk(sK + r * ldh + c8, false, xk);
-      load8_qk(sV + r * ldh + c8, false, xv);
+      {
+        const uint4 uv = *reinterpret_cast<const uint4*>(sV + r * ldh + c8);
+        const uint32_t w[4] = {uv.x, uv.y, uv.z, uv.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const uint32_t m = w[i] & 0x7fff7fffu;  // |v| of both halves
+          vmax2 = __hmax2(vmax2, *reinterpret_cast<const __nv_bfloat162*>(&m));
+        }
+      }
       if (a.g_fp32) {
         const float4 u0 = *reinterpret_cast<const float4*>(sG + r * ldf + c8),
                      u1 = *reinterpret_cast<const float4*>(sG + r * ldf + c8 + 4);
@@ -578,11 +630,9 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
 #pragma unroll
         for (int i = 0; i < 8; ++i) xg[i] *= kLog2e;
       }
-#pragma unroll
-      for (int i = 0; i < 8; ++i) vmax = fmaxf(vmax, fabsf(xv[i]));
     } else {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) xq[i] = xk[i] = xg[i] = xv[i] = 0.f;
+      for (int i = 0; i < 8; ++i) xq[i] = xk[i] = xg[i] = 0.f;
     }
     float sq = 0.f, sk = 0.f;  // row norms^2; the TPR lanes of a row are adjacent
 #pragma unroll
@@ -630,6 +680,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
      // totals of the parts before it
     constexpr int P = kPrepareThreads / D, RP = kChunk / P;
     const int col = tid % D, part = tid / D;
+    const float vmax = fmaxf(__low2float(vmax2), __high2float(vmax2));
     atomicMax(&sMax[0], __float_as_int(vmax));  // non-negative floats order like their bits
     atomicMax(&sMax[1], __float_as_int(kmax));
     atomicMax(&sMax[3], __float_as_int(qn2max));
@@ -739,7 +790,11 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
       for (int q = warp - 4; q < 6; q += 4) {
         const int I = static_cast<int>((kOffI >> (4 * q)) & 15),
                   J = static_cast<int>((kOffJ >> (4 * q)) & 15);
-        lk_block_mma<D>(sQ, sK, qk16, sG, sB, sL, rMQK, mqk_scale, I, J, 16 * I - 1, lane);
+        if (qk16) {
+          lk_block_mma<D, true>(sQ, sK, sG, sB, sL, rMQK, mqk_scale, I, J, 16 * I - 1, lane);
+        } else {
+          lk_block_mma<D, false>(sQ, sK, sG, sB, sL, rMQK, mqk_scale, I, J, 16 * I - 1, lane);
+        }
       }
     }
   }
