@@ -23,6 +23,8 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--entry-exit", action="store_true",
+                    help="also time state_recurrence with the initial state only / the final state only, per dtype")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to benchmark")
@@ -57,6 +59,22 @@ def main():
             for k in (list(fns) if r % 2 == 0 else list(reversed(list(fns)))):
                 kt[k].append(kernel_times(fns[k], args.iters))
         row["kernel_us"] = {k: {name: statistics.median(d[name] for d in kt[k]) for name in kt[k][0]} for k in fns}
+        if args.entry_exit:  # which end of the state pass carries a dtype cost: h0 only, ht only
+            ee = {}
+            for dt in ("fp32", "bf16"):
+                h0 = x["h0"] if dt == "fp32" else x["h0"].bfloat16()
+                for end in ("h0_only", "ht_only"):
+                    v = OursVariant(x, H, "fp32_state_prefill_op", out, ws)
+                    v.kw = dict(initial_state=h0) if end == "h0_only" else dict(final_state=torch.empty_like(h0))
+                    ee[f"{end}_{dt}"] = v
+            kt = {k: [] for k in ee}
+            for r in range(3):
+                for k in (list(ee) if r % 2 == 0 else list(reversed(list(ee)))):
+                    kt[k].append(kernel_times(ee[k], args.iters))
+            row["entry_exit_us"] = {k: {n: statistics.median(d[n] for d in kt[k]) for n in kt[k][0]} for k in ee}
+            for k in ee:
+                rec = [v for n, v in row["entry_exit_us"][k].items() if "state_recurrence" in n]
+                print(f"    {k:12s} state_recurrence {rec[0] if rec else float('nan'):8.1f} us", flush=True)
         rows.append(row)
         print(f"{name:14s} fp32 {row['fp32_median_us']:8.1f} us  bf16 {row['bf16_median_us']:8.1f} us  "
               f"bf16/fp32 median {row['bf16_over_fp32_median']:.4f}  bf16 faster in {row['rounds_bf16_faster']}"
