@@ -131,14 +131,19 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
     return;
   }
 
-  // Start loading the first chunk before touching the state.
+  // Start loading the first two chunks (both stages) before touching the state: the walk streams its
+  // records near the memory bandwidth, and a stage issued only after the state's entry (whose bf16
+  // conversion waits for its loads) left the second stage a round trip late (bf16 h0 cost +7 us at
+  // 1x8192 H64).  Two commit groups (the second possibly empty), as the loop expects.
   const char* rec_base = a.records + (sp.slot0 * a.H + h) * static_cast<int64_t>(ChunkRecord<D>::kBytes);
   const int64_t rec_stride = static_cast<int64_t>(a.H) * ChunkRecord<D>::kBytes;
-  if (c_begin < c_end) {
-    load_record_async<D, NW, kMap>(rec_base + c_begin * rec_stride, smem + (c_begin & 1) * SM::kStage, v0,
-                                   tid, !a_rows);
+#pragma unroll 1
+  for (int c = c_begin; c < c_begin + 2; ++c) {
+    if (c < c_end) {
+      load_record_async<D, NW, kMap>(rec_base + c * rec_stride, smem + (c & 1) * SM::kStage, v0, tid, !a_rows);
+    }
+    cp_async_commit();
   }
-  cp_async_commit();
 
   // State rows of this warp: r0 = v0 + 16 warp + g, r1 = r0 + 8; columns 8 j + 2 t (+1).
   float s[NT][4];
@@ -242,9 +247,11 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
     }
     unsigned char* stage = smem + (c & 1) * SM::kStage;
     if (c + 1 < c_end) {
-      load_record_async<D, NW, kMap>(rec_base + (c + 1) * rec_stride, smem + ((c + 1) & 1) * SM::kStage, v0,
-                                     tid, !a_rows);
-      cp_async_commit();
+      if (c > c_begin) {  // chunk c_begin + 1 was issued with the first
+        load_record_async<D, NW, kMap>(rec_base + (c + 1) * rec_stride, smem + ((c + 1) & 1) * SM::kStage, v0,
+                                       tid, !a_rows);
+        cp_async_commit();
+      }
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
