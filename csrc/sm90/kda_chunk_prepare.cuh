@@ -16,7 +16,8 @@
 //      A = k_i 2^(G_i - G_ref), B = k_j 2^(G_ref - G_j), both <= 1 for any gate.  Diagonal blocks use
 //      row 16I+7; when a chunk's half-span exceeds kMaxHalfSpanLog2 they are summed pairwise instead.
 //      The diagonal blocks carry the largest entries of L and MQK, so their factors go through
-//      tf32 mma (fp32 range, 10-bit mantissa) rather than bf16.  MQK is stored fp16 with a
+//      tf32 mma (fp32 range, 10-bit mantissa) rather than bf16.  Off-diagonal factors are bf16, or
+//      fp16 (packed products) when q and k are l2-normalised.  MQK is stored fp16 with a
 //      power-of-two shift from the bound scale |q_i| |k_j|.
 //   4. kt replaces G; T_inv = (I + L)^-1 replaces q, k: 16x16 diagonal blocks by fp32 forward
 //      substitution (one warp each), then the off-diagonal blocks level by level on tf32 mma (one
@@ -27,8 +28,9 @@
 //      scales are exact and undone on W (fp32 accumulator) and recorded for UT (stored fp16).  fp16's
 //      11-bit mantissa on v and T_inv is what keeps the state error well under bf16's.  The work is
 //      dealt so that every warp issues the same number of mma.
-// Shared memory (D = 128): q, k 16-bit 2 x 17.4 KB (later T_inv fp32 + fp16), G fp32 33.8 KB (later
-// kt), v 17.4 KB, L fp32 16.6 KB: about 103 KB, two blocks per SM.
+// Shared memory (D = 128): q, k 16-bit 2 x 17.4 KB (later T_inv fp32 + fp16), G fp32 34.8 KB (later
+// kt), v 17.4 KB, L fp32 16.6 KB: about 104 KB, two blocks per SM.  Each block also asks L2 for the
+// raw rows of the block launched kPrefetchAhead after it.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -40,7 +42,9 @@ namespace sm90 {
 
 template <int D>
 struct PrepareSmem {
-  static constexpr int kLdF = D + 4;  // fp32 rows (G)
+  // fp32 rows (G).  D + 8: a pitch of 8 banks, so the float2 reads of the L / MQK blocks (lanes g, t
+  // of an mma fragment: rows g, column pairs 2t) are conflict-free (D + 4 had them 2-way).
+  static constexpr int kLdF = D + 8;
   static constexpr int kLdH = D + 8;  // 16-bit rows (ldmatrix-friendly padding)
   static constexpr int kLdT = kChunk + 1;
   static constexpr int kLdTb = kChunk + 8;
@@ -144,12 +148,6 @@ __device__ inline float2 load_qk2(const uint16_t* p, bool fp16) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
 }
 
-__device__ inline float load_qk1(const uint16_t* p, bool fp16) {
-  const uint16_t u = *p;
-  if (fp16) return __half2float(*reinterpret_cast<const __half*>(&u));
-  return __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(&u));
-}
-
 __device__ inline void load8_qk(const uint16_t* p, bool fp16, float (&x)[8]) {
   const uint4 u = *reinterpret_cast<const uint4*>(p);
   const uint32_t w[4] = {u.x, u.y, u.z, u.w};
@@ -198,24 +196,32 @@ __device__ inline void lk_block_diag_tf32(const uint16_t* sQ, const uint16_t* sK
   const int g = lane >> 2, t = lane & 3;
   float accL[2][4] = {}, accM[2][4] = {};
   const float* gref = sG + (16 * I + 7) * ldf;
+  // The k index of an m16n8k8 step is permuted (any permutation applied to both operands leaves the
+  // product unchanged): lane t's k = t and t + 4 are the adjacent columns 8s + 2t, 8s + 2t + 1, so each
+  // operand pair is one 8-byte G read and one 4-byte q / k read instead of two scalar reads each.
 #pragma unroll 4
   for (int s = 0; s < D / 8; ++s) {
-    const int c0 = 8 * s + t, c1 = c0 + 4;
-    const float gr0 = gref[c0], gr1 = gref[c1];
+    const int c0 = 8 * s + 2 * t;
+    const float2 gr = *reinterpret_cast<const float2*>(gref + c0);
     uint32_t ak[4], aq[4], bk[2][2];
 #pragma unroll
-    for (int h = 0; h < 4; ++h) {  // a0: (g, t) a1: (g+8, t) a2: (g, t+4) a3: (g+8, t+4)
-      const int row = 16 * I + g + (h & 1) * 8;
-      const int col = (h >> 1) ? c1 : c0;
-      const float e = fast_exp2(sG[row * ldf + col] - ((h >> 1) ? gr1 : gr0));
-      ak[h] = to_tf32(load_qk1(sK + row * ldh + col, fp16) * e);
-      aq[h] = to_tf32(load_qk1(sQ + row * ldh + col, fp16) * e);
+    for (int hr = 0; hr < 2; ++hr) {  // a[hr]: (g + 8 hr, k = t) -> column c0; a[2 + hr]: k = t + 4 -> c0 + 1
+      const int row = 16 * I + g + 8 * hr;
+      const float2 gg = *reinterpret_cast<const float2*>(sG + row * ldf + c0);
+      const float e0 = fast_exp2(gg.x - gr.x), e1 = fast_exp2(gg.y - gr.y);
+      const float2 kk = load_qk2(sK + row * ldh + c0, fp16), qq = load_qk2(sQ + row * ldh + c0, fp16);
+      ak[hr] = to_tf32(kk.x * e0);
+      ak[2 + hr] = to_tf32(kk.y * e1);
+      aq[hr] = to_tf32(qq.x * e0);
+      aq[2 + hr] = to_tf32(qq.y * e1);
     }
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {  // b0: (k = t, n = g) b1: (k = t + 4, n = g)
+    for (int nt = 0; nt < 2; ++nt) {  // b0: (k = t, n = g) -> column c0, b1: (k = t + 4, n = g) -> c0 + 1
       const int row = 16 * I + 8 * nt + g;
-      bk[nt][0] = to_tf32(load_qk1(sK + row * ldh + c0, fp16) * fast_exp2(gr0 - sG[row * ldf + c0]));
-      bk[nt][1] = to_tf32(load_qk1(sK + row * ldh + c1, fp16) * fast_exp2(gr1 - sG[row * ldf + c1]));
+      const float2 gg = *reinterpret_cast<const float2*>(sG + row * ldf + c0);
+      const float2 kk = load_qk2(sK + row * ldh + c0, fp16);
+      bk[nt][0] = to_tf32(kk.x * fast_exp2(gr.x - gg.x));
+      bk[nt][1] = to_tf32(kk.y * fast_exp2(gr.y - gg.y));
     }
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
@@ -432,6 +438,43 @@ __device__ inline bool slot_to_chunk_block(const PrefillArgs& a, int64_t slot, i
   return true;
 }
 
+// Blocks start in launch order as earlier ones retire, about 0.08 us apart at two 22 us blocks per SM
+// slot: the block kPrefetchAhead launches later starts ~5 us from now, past an HBM round trip, and
+// the L2 (50 MB) sees only ~8 MB of other traffic meanwhile.  Prefetching its raw q, k, v, g rows into
+// L2 turns the first-touch latency of every chunk (the exposed wait before phase 1, ~4% of the
+// kernel's stall samples) into an L2 hit.  Block-uniform (slot_to_chunk_block has a barrier).
+constexpr int kPrefetchAhead = 64;
+
+template <int D>
+__device__ inline void prefetch_future_block_inputs(const PrefillArgs& a) {
+  const int64_t b = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x + kPrefetchAhead;
+  if (b >= static_cast<int64_t>(gridDim.x) * gridDim.y) return;
+  const int h = static_cast<int>(b / gridDim.x);
+  int64_t n, c;
+  if (!slot_to_chunk_block(a, b % gridDim.x, &n, &c)) return;
+  const SeqSpan sp = sequence_span(a, n);
+  const int64_t rows = min(static_cast<int64_t>(kChunk), sp.len - c * kChunk);
+  static_assert(kPrepareThreads == 4 * kChunk, "one thread per (tensor, row)");
+  const int r = threadIdx.x % kChunk, tensor = threadIdx.x / kChunk;
+  if (r >= rows) return;
+  const int64_t tok = sp.bos + c * kChunk + r;
+  const void* p;
+  uint32_t bytes = D * 2;
+  if (tensor == 0) {
+    p = a.q + sp.batch * a.q_sb + tok * a.q_st + h * D;
+  } else if (tensor == 1) {
+    p = a.k + sp.batch * a.k_sb + tok * a.k_st + h * D;
+  } else if (tensor == 2) {
+    p = a.v + sp.batch * a.v_sb + tok * a.v_st + h * D;
+  } else {
+    const int64_t go = sp.batch * a.g_sb + tok * a.g_st + h * D;
+    p = a.g_fp32 ? static_cast<const void*>(static_cast<const float*>(a.g) + go)
+                 : static_cast<const void*>(static_cast<const bf16*>(a.g) + go);
+    bytes = a.g_fp32 ? D * 4 : D * 2;
+  }
+  prefetch_l2_bulk(p, bytes);
+}
+
 template <int D>
 __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const PrefillArgs a) {
   static_assert(D == 64 || D == 128, "head dim");
@@ -542,14 +585,16 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
         if (rbase + pass * RPP < rows) stage_row(pass, 0);
         qp += RPP * qst, kp += RPP * kst, vp += RPP * vst, gp += RPP * gst;
       }
+      cp_async_commit();
+      prefetch_future_block_inputs<D>(a);  // 16-byte rows, no row map: the common layout
     } else {
 #pragma unroll 1
       for (int pass = 0; pass < PASSES; ++pass) {
         const int r = rbase + pass * RPP;
         if (r < rows) stage_row(pass, mapped_row(a, tok0 + r));
       }
+      cp_async_commit();
     }
-    cp_async_commit();
   } else {
 #pragma unroll 1
     for (int pass = 0; pass < PASSES; ++pass) {
@@ -710,7 +755,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   // |MQK| <= scale |q_i| |k_j| (every decay factor is <= 1), so these bounds never overflow.
   const int shift_d = pow2_shift(__int_as_float(sMax[1]), 0);
   const int shift_m = pow2_shift(scale * sqrtf(__int_as_float(sMax[3])) * sqrtf(__int_as_float(sMax[4])), 14);
-  const float kd_scale = pow2i(-shift_d), mqk_scale = scale * pow2i(-shift_m);
+  const float mqk_scale = scale * pow2i(-shift_m);
   if (tid == 0) {
     reinterpret_cast<int*>(rec + ChunkRecord<D>::kUtShift)[1] = shift_m;
     reinterpret_cast<int*>(rec + ChunkRecord<D>::kUtShift)[2] = shift_d;
@@ -735,7 +780,10 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   {
     const float4 u0 = *reinterpret_cast<const float4*>(sG + (kChunk - 1) * ldf + c8),
                  u1 = *reinterpret_cast<const float4*>(sG + (kChunk - 1) * ldf + c8 + 4);
-    gl[0] = u0.x, gl[1] = u0.y, gl[2] = u0.z, gl[3] = u0.w, gl[4] = u1.x, gl[5] = u1.y, gl[6] = u1.z, gl[7] = u1.w;
+    gl[0] = u0.x, gl[1] = u0.y, gl[2] = u0.z, gl[3] = u0.w, gl[4] = u1.x, gl[5] = u1.y, gl[6] = u1.z,
+    gl[7] = u1.w;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) gl[i] -= static_cast<float>(shift_d);  // 2^-shift_d of KD, in the exponent
   }
 #pragma unroll
   for (int pass = 0; pass < PASSES; ++pass) {
@@ -747,7 +795,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     {
       const float4 u0 = *reinterpret_cast<const float4*>(sG + r * ldf + c8),
                    u1 = *reinterpret_cast<const float4*>(sG + r * ldf + c8 + 4);
-      xg[0] = u0.x, xg[1] = u0.y, xg[2] = u0.z, xg[3] = u0.w, xg[4] = u1.x, xg[5] = u1.y, xg[6] = u1.z, xg[7] = u1.w;
+      xg[0] = u0.x, xg[1] = u0.y, xg[2] = u0.z, xg[3] = u0.w, xg[4] = u1.x, xg[5] = u1.y, xg[6] = u1.z,
+      xg[7] = u1.w;
     }
     const float sk = pow2i(-shift_k), sv = pow2i(-shift_v);
 #pragma unroll
@@ -755,7 +804,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
       const float gg = xg[i];
       const float e = fast_exp2(gg);
       xq[i] = scale * xq[i] * e;
-      xd[i] = xk[i] * fast_exp2(gl[i] - gg) * kd_scale;
+      xd[i] = xk[i] * fast_exp2(gl[i] - gg);  // gl carries KD's shift
       xk[i] *= sk * e;
       xv[i] *= sv;
     }

@@ -140,7 +140,8 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
 #pragma unroll 1
   for (int c = c_begin; c < c_begin + 2; ++c) {
     if (c < c_end) {
-      load_record_async<D, NW, kMap>(rec_base + c * rec_stride, smem + (c & 1) * SM::kStage, v0, tid, !a_rows);
+      load_record_async<D, NW, kMap>(rec_base + c * rec_stride, smem + (c & 1) * SM::kStage, v0, tid,
+                                     !a_rows);
     }
     cp_async_commit();
   }
