@@ -29,8 +29,7 @@
 //      11-bit mantissa on v and T_inv is what keeps the state error well under bf16's.  The work is
 //      dealt so that every warp issues the same number of mma.
 // Shared memory (D = 128): q, k 16-bit 2 x 17.4 KB (later T_inv fp32 + fp16), G fp32 34.8 KB (later
-// kt), v 17.4 KB, L fp32 16.6 KB: about 104 KB, two blocks per SM.  Each block also asks L2 for the
-// raw rows of the block launched kPrefetchAhead after it.
+// kt), v 17.4 KB, L fp32 16.6 KB: about 104 KB, two blocks per SM.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -281,40 +280,39 @@ __device__ inline void lk_block_mma(const uint16_t* sQ, const uint16_t* sK, cons
         mma_f16(accM[nt], aq, bk[nt][0], bk[nt][1]);
       }
     }
-    store_lk_block<D>(accL, accM, sB, sL, mqk, scale, I, J, lane);
-    return;
-  }
+  } else {
 #pragma unroll 2
-  for (int s = 0; s < D / 16; ++s) {
-    uint32_t ak[4], aq[4], bk[2][2];
+    for (int s = 0; s < D / 16; ++s) {
+      uint32_t ak[4], aq[4], bk[2][2];
 #pragma unroll
-    for (int h = 0; h < 4; ++h) {  // a0: (g, 2t) a1: (g+8, 2t) a2: (g, 2t+8) a3: (g+8, 2t+8)
-      const int row = 16 * I + g + (h & 1) * 8;
-      const int col = 16 * s + 2 * t + (h >> 1) * 8;
-      const float2 gg = *reinterpret_cast<const float2*>(sG + row * ldf + col);
-      const float2 gr = *reinterpret_cast<const float2*>(gref + col);
-      const float e0 = fast_exp2(gg.x - gr.x), e1 = fast_exp2(gg.y - gr.y);
-      const float2 kk = load_qk2(sK + row * ldh + col, fp16);
-      const float2 qq = load_qk2(sQ + row * ldh + col, fp16);
-      ak[h] = pack_bf16(kk.x * e0, kk.y * e1);
-      aq[h] = pack_bf16(qq.x * e0, qq.y * e1);
-    }
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {  // b0: k rows 2t, 2t+1; b1: 2t+8, 2t+9; n col g
-        const int row = 16 * J + 8 * nt + g;
-        const int col = 16 * s + 2 * t + 8 * h;
+      for (int h = 0; h < 4; ++h) {  // a0: (g, 2t) a1: (g+8, 2t) a2: (g, 2t+8) a3: (g+8, 2t+8)
+        const int row = 16 * I + g + (h & 1) * 8;
+        const int col = 16 * s + 2 * t + (h >> 1) * 8;
         const float2 gg = *reinterpret_cast<const float2*>(sG + row * ldf + col);
         const float2 gr = *reinterpret_cast<const float2*>(gref + col);
+        const float e0 = fast_exp2(gg.x - gr.x), e1 = fast_exp2(gg.y - gr.y);
         const float2 kk = load_qk2(sK + row * ldh + col, fp16);
-        bk[nt][h] = pack_bf16(kk.x * fast_exp2(gr.x - gg.x), kk.y * fast_exp2(gr.y - gg.y));
+        const float2 qq = load_qk2(sQ + row * ldh + col, fp16);
+        ak[h] = pack_bf16(kk.x * e0, kk.y * e1);
+        aq[h] = pack_bf16(qq.x * e0, qq.y * e1);
       }
-    }
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      mma_bf16(accL[nt], ak, bk[nt][0], bk[nt][1]);
-      mma_bf16(accM[nt], aq, bk[nt][0], bk[nt][1]);
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // b0: k rows 2t, 2t+1; b1: 2t+8, 2t+9; n col g
+          const int row = 16 * J + 8 * nt + g;
+          const int col = 16 * s + 2 * t + 8 * h;
+          const float2 gg = *reinterpret_cast<const float2*>(sG + row * ldf + col);
+          const float2 gr = *reinterpret_cast<const float2*>(gref + col);
+          const float2 kk = load_qk2(sK + row * ldh + col, fp16);
+          bk[nt][h] = pack_bf16(kk.x * fast_exp2(gr.x - gg.x), kk.y * fast_exp2(gr.y - gg.y));
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        mma_bf16(accL[nt], ak, bk[nt][0], bk[nt][1]);
+        mma_bf16(accM[nt], aq, bk[nt][0], bk[nt][1]);
+      }
     }
   }
   store_lk_block<D>(accL, accM, sB, sL, mqk, scale, I, J, lane);
@@ -438,43 +436,6 @@ __device__ inline bool slot_to_chunk_block(const PrefillArgs& a, int64_t slot, i
   return true;
 }
 
-// Blocks start in launch order as earlier ones retire, about 0.08 us apart at two 22 us blocks per SM
-// slot: the block kPrefetchAhead launches later starts ~5 us from now, past an HBM round trip, and
-// the L2 (50 MB) sees only ~8 MB of other traffic meanwhile.  Prefetching its raw q, k, v, g rows into
-// L2 turns the first-touch latency of every chunk (the exposed wait before phase 1, ~4% of the
-// kernel's stall samples) into an L2 hit.  Block-uniform (slot_to_chunk_block has a barrier).
-constexpr int kPrefetchAhead = 64;
-
-template <int D>
-__device__ inline void prefetch_future_block_inputs(const PrefillArgs& a) {
-  const int64_t b = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x + kPrefetchAhead;
-  if (b >= static_cast<int64_t>(gridDim.x) * gridDim.y) return;
-  const int h = static_cast<int>(b / gridDim.x);
-  int64_t n, c;
-  if (!slot_to_chunk_block(a, b % gridDim.x, &n, &c)) return;
-  const SeqSpan sp = sequence_span(a, n);
-  const int64_t rows = min(static_cast<int64_t>(kChunk), sp.len - c * kChunk);
-  static_assert(kPrepareThreads == 4 * kChunk, "one thread per (tensor, row)");
-  const int r = threadIdx.x % kChunk, tensor = threadIdx.x / kChunk;
-  if (r >= rows) return;
-  const int64_t tok = sp.bos + c * kChunk + r;
-  const void* p;
-  uint32_t bytes = D * 2;
-  if (tensor == 0) {
-    p = a.q + sp.batch * a.q_sb + tok * a.q_st + h * D;
-  } else if (tensor == 1) {
-    p = a.k + sp.batch * a.k_sb + tok * a.k_st + h * D;
-  } else if (tensor == 2) {
-    p = a.v + sp.batch * a.v_sb + tok * a.v_st + h * D;
-  } else {
-    const int64_t go = sp.batch * a.g_sb + tok * a.g_st + h * D;
-    p = a.g_fp32 ? static_cast<const void*>(static_cast<const float*>(a.g) + go)
-                 : static_cast<const void*>(static_cast<const bf16*>(a.g) + go);
-    bytes = a.g_fp32 ? D * 4 : D * 2;
-  }
-  prefetch_l2_bulk(p, bytes);
-}
-
 template <int D>
 __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const PrefillArgs a) {
   static_assert(D == 64 || D == 128, "head dim");
@@ -586,7 +547,6 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
         qp += RPP * qst, kp += RPP * kst, vp += RPP * vst, gp += RPP * gst;
       }
       cp_async_commit();
-      prefetch_future_block_inputs<D>(a);  // 16-byte rows, no row map: the common layout
     } else {
 #pragma unroll 1
       for (int pass = 0; pass < PASSES; ++pass) {

@@ -327,10 +327,6 @@ __device__ inline void load_b_frag_kn(uint32_t (&b)[4], const bf16* x, int ld, i
 __device__ inline void cp_async_16(void* smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(smem)), "l"(gmem));
 }
-// Asks the TMA engine to bring `bytes` (multiple of 16, 16-byte aligned) of global memory into L2.
-__device__ inline void prefetch_l2_bulk(const void* gmem, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(gmem), "r"(bytes) : "memory");
-}
 __device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ inline void cp_async_wait() {

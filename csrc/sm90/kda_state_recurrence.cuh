@@ -131,26 +131,37 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
     return;
   }
 
-  // Start loading the first two chunks (both stages) before touching the state: the walk streams its
-  // records near the memory bandwidth, and a stage issued only after the state's entry (whose bf16
-  // conversion waits for its loads) left the second stage a round trip late (bf16 h0 cost +7 us at
-  // 1x8192 H64).  Two commit groups (the second possibly empty), as the loop expects.
+  // Start loading the first chunk before touching the state.
   const char* rec_base = a.records + (sp.slot0 * a.H + h) * static_cast<int64_t>(ChunkRecord<D>::kBytes);
   const int64_t rec_stride = static_cast<int64_t>(a.H) * ChunkRecord<D>::kBytes;
-#pragma unroll 1
-  for (int c = c_begin; c < c_begin + 2; ++c) {
-    if (c < c_end) {
-      load_record_async<D, NW, kMap>(rec_base + c * rec_stride, smem + (c & 1) * SM::kStage, v0, tid,
-                                     !a_rows);
-    }
-    cp_async_commit();
+  if (c_begin < c_end) {
+    load_record_async<D, NW, kMap>(rec_base + c_begin * rec_stride, smem + (c_begin & 1) * SM::kStage, v0,
+                                   tid, !a_rows);
   }
+  cp_async_commit();
 
   // State rows of this warp: r0 = v0 + 16 warp + g, r1 = r0 + 8; columns 8 j + 2 t (+1).
   float s[NT][4];
   const int r0 = v0 + 16 * warp + g;
   const bool has_h0 = starts_from_h0(a, n);
   const int64_t sbase = (srow * a.H + h) * static_cast<int64_t>(D) * D;
+  // bf16 h0 pairs (kWhole, paired loads) are converted only after the first chunk's record wait: a
+  // conversion before the walk held the issue of the next record stage until the state had arrived,
+  // which cost the bf16 state +1.3 us (8x2048 H16) and +6 us (1x8192 H64) over fp32, whose loads
+  // are waited for at their first use.  With checkpoints, the state is read at the walk's top, so it
+  // is converted here.
+  bool h0_bf16_pending = false;
+  auto h0_bf16_convert = [&]() {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {  // element idx is the low half (little-endian)
+        const uint32_t u = __float_as_uint(s[j][e]);
+        s[j][e] = __uint_as_float(u << 16);
+        s[j][e + 1] = __uint_as_float(u & 0xffff0000u);
+      }
+    }
+  };
   if constexpr (kWhole) {
     if (a.h0_pairs) {
       // Every load is issued before any is converted: with the conversion next to its load, the bf16
@@ -170,22 +181,16 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
             s[j][e + 1] = x.y;
           }
         }
-      } else {
+      } else {  // raw bf16 pairs parked in s[j][0], s[j][2]; converted by h0_bf16_convert below
         const bf16* h0 = static_cast<const bf16*>(a.h0) + row_base;
-        uint32_t raw[NT][2];
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
 #pragma unroll
-          for (int e = 0; e < 2; ++e) raw[j][e] = *reinterpret_cast<const uint32_t*>(h0 + 8 * e * D + 8 * j);
-        }
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {  // element idx is the low half (little-endian)
-            s[j][2 * e] = __uint_as_float(raw[j][e] << 16);
-            s[j][2 * e + 1] = __uint_as_float(raw[j][e] & 0xffff0000u);
+          for (int e = 0; e < 2; ++e) {
+            s[j][2 * e] = __uint_as_float(*reinterpret_cast<const uint32_t*>(h0 + 8 * e * D + 8 * j));
           }
         }
+        h0_bf16_pending = true;
       }
     } else {
 #pragma unroll
@@ -220,6 +225,11 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
     }
   }
 
+  if (h0_bf16_pending && a.ckpt_offsets != nullptr) {
+    h0_bf16_convert();
+    h0_bf16_pending = false;
+  }
+
   // Checkpoints (offsets validated by chunk_prepare: non-decreasing, within the sequence): the
   // state at the start of chunk c = o / C goes to checkpoint_state; checkpoint_advance then runs
   // the remaining o - C c tokens of it with the token recurrence.
@@ -248,16 +258,18 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
     }
     unsigned char* stage = smem + (c & 1) * SM::kStage;
     if (c + 1 < c_end) {
-      if (c > c_begin) {  // chunk c_begin + 1 was issued with the first
-        load_record_async<D, NW, kMap>(rec_base + (c + 1) * rec_stride, smem + ((c + 1) & 1) * SM::kStage, v0,
-                                       tid, !a_rows);
-        cp_async_commit();
-      }
+      load_record_async<D, NW, kMap>(rec_base + (c + 1) * rec_stride, smem + ((c + 1) & 1) * SM::kStage, v0,
+                                     tid, !a_rows);
+      cp_async_commit();
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
     __syncthreads();
+    if (h0_bf16_pending) {  // first chunk only (uniform)
+      h0_bf16_convert();
+      h0_bf16_pending = false;
+    }
     const bf16* sW = reinterpret_cast<const bf16*>(stage + SM::kW);
     const bf16* sQT = reinterpret_cast<const bf16*>(stage + SM::kQT);
     const bf16* sKD = reinterpret_cast<const bf16*>(stage + SM::kKD);
@@ -426,6 +438,7 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
     return;
   }
   if constexpr (kWhole) {
+    if (h0_bf16_pending) h0_bf16_convert();  // an empty sequence: no chunk converted it
     if (a.ckpt_offsets != nullptr) write_checkpoints(nchunks);
   }
   if (a.ht != nullptr && last_segment && a.ht_vec16) {
