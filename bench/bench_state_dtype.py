@@ -2,8 +2,12 @@
 
 One median of CUDA-graph replays moves by ~0.5% between runs, the size of the difference in question,
 so the two dtypes are timed in alternation, ROUNDS times each, through the same op (flashkda.prefill)
-on the same inputs, and the median over rounds of each, the per-round bf16 / fp32 ratios and their
-median are reported.  Usage: python3 bench/bench_state_dtype.py [--json out.json] [--rounds 7].
+on the same inputs and one shared output / workspace, and the median over rounds of each, the
+per-round bf16 / fp32 ratios and their median are reported.  A third variant, fp32 tensors holding the
+bf16-rounded values, separates a dtype cost from a data-dependent one; per-kernel times come from the
+profiler (3 interleaved rounds).  --entry-exit also times state_recurrence with only the initial or
+only the final state of each dtype.
+Usage: python3 bench/bench_state_dtype.py [--json out.json] [--rounds 7] [--entry-exit].
 """
 
 import argparse

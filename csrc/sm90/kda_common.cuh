@@ -351,27 +351,18 @@ __device__ inline float fast_rcp(float x) {
 // ---------------------------------------------------------------------------------------------
 // Preprocessing math (spec section 2).  Gate results are in natural-log units.
 // ---------------------------------------------------------------------------------------------
-// kSfuRcp: the SFU reciprocal (rcp.approx, ~1 ulp) instead of the IEEE-rounded __frcp_rn, whose
-// refinement and slow-path branch cost ~8 instructions per element; chunk_prepare's gate, where that
-// was a measurable share of the kernel, uses it.
-template <bool kSfuRcp = false>
-__device__ inline float sigmoidf_(float x) {
-  const float d = 1.0f + __expf(-x);
-  if (!kSfuRcp) return __frcp_rn(d);
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(d));
-  return y;
-}
+// The token recurrence's (and the CPU reference's) form of the gate; chunk_prepare folds the bounded
+// gate's constants instead (one FFMA and two SFU ops per element, see phase 1 there).
+__device__ inline float sigmoidf_(float x) { return __frcp_rn(1.0f + __expf(-x)); }
 __device__ inline float softplusf_(float x) { return x > 20.0f ? x : log1pf(__expf(x)); }
 
 // Log decay of one gate element (natural-log units); exp_A_log_h = exp(A_log[h]), hoisted by the
 // caller (one per head).
-template <bool kSfuRcp = false>
 __device__ inline float gate_log_decay(int mode, float g, float exp_A_log_h, float dt_bias_hk,
                                        float lower_bound) {
   if (mode == kGatePrecomputed) return g;
   const float x = g + dt_bias_hk;
-  if (mode == kGateBounded) return lower_bound * sigmoidf_<kSfuRcp>(exp_A_log_h * x);
+  if (mode == kGateBounded) return lower_bound * sigmoidf_(exp_A_log_h * x);
   return -exp_A_log_h * softplusf_(x);
 }
 
