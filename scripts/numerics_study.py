@@ -21,7 +21,8 @@ Recommended ("R" below; each MMA's two operands share a type, fp16 MMA costs the
   fp16: T_inv, b*k*exp(G), b*v (so W, U come from fp16 MMAs), U record, MQK, Vn operand, KD
   bf16: QT, W, S operand (QT @ S^T and W @ S^T stay bf16 MMAs; S hi/lo split not needed)
   tf32 (or fp32 CUDA cores / hilo): the factors of the 4 diagonal 16x16 blocks of L and MQK
-  bf16: the factors of the 6 off-diagonal blocks (all <= 1 there)
+  bf16: the factors of the 6 off-diagonal blocks (all <= 1 there); fp16 since 2675e7c when q, k are
+        l2-normalised ((7) below)
 
 Usage: python3 scripts/numerics_study.py [--quick]   (about 25 s on 2 CPU cores)
 """
@@ -74,7 +75,7 @@ KNOBS = ("QT", "KD", "MQK", "TINV", "W", "U", "S", "VN")
 
 def config(base: str = "bf16", op: str = "bf16", acc: str = "fp32", out: str = "bf16", **kw) -> dict:
     cfg = {k: base for k in KNOBS}
-    cfg.update(FOFF=op, FDIAG=op, BK=op, BV=op, ACC=acc, OUT=out, FOLD=False)
+    cfg.update(FOFF=op, FDIAG=op, BK=op, BV=op, ACC=acc, OUT=out, FOLD=False, FSHARE=False)
     for k, v in kw.items():
         assert k in cfg, k
         cfg[k] = v
@@ -163,9 +164,19 @@ def emulate(inp, cfg, ranges=None):
             r = BLK * I - 1 if I > J else BLK * I + 7
             fop = cfg["FOFF"] if I > J else cfg["FDIAG"]
             Gr = G[..., r : r + 1, :]
-            fk_i = rnd((k[..., rows, :] * torch.exp(G[..., rows, :] - Gr)).double(), fop)
-            fq_i = rnd((q[..., rows, :] * torch.exp(G[..., rows, :] - Gr)).double(), fop)
-            fk_j = rnd((k[..., cols, :] * torch.exp(Gr - G[..., cols, :])).double(), fop)
+            if I > J and cfg["FSHARE"]:
+                # shared factors: A_I (reference row 16I-1, shared by every J), B_J (reference 16J+15,
+                # shared by every I), and the per-column gap 2^(G_{16I-1} - G_{16J+15}) <= 1 applied
+                # to A_I as a rounded product (1 for J = I-1)
+                Gj = G[..., BLK * J + BLK - 1 : BLK * J + BLK, :]
+                gap = rnd(torch.exp(Gr - Gj).double(), fop)
+                fk_i = rnd(rnd((k[..., rows, :] * torch.exp(G[..., rows, :] - Gr)).double(), fop) * gap, fop)
+                fq_i = rnd(rnd((q[..., rows, :] * torch.exp(G[..., rows, :] - Gr)).double(), fop) * gap, fop)
+                fk_j = rnd((k[..., cols, :] * torch.exp(Gj - G[..., cols, :])).double(), fop)
+            else:
+                fk_i = rnd((k[..., rows, :] * torch.exp(G[..., rows, :] - Gr)).double(), fop)
+                fq_i = rnd((q[..., rows, :] * torch.exp(G[..., rows, :] - Gr)).double(), fop)
+                fk_j = rnd((k[..., cols, :] * torch.exp(Gr - G[..., cols, :])).double(), fop)
             if ranges is not None:
                 key = "fac_off" if I > J else "fac_diag"
                 fmax = max(float(fk_i.abs().max()), float(fq_i.abs().max()), float(fk_j.abs().max()))
@@ -289,6 +300,13 @@ def main():
         ("R with {QT,W,S} fp16 (everything fp16)", dict(rec, QT="fp16", W="fp16", S="fp16")),
     ]
     run(cand, cases)
+
+    print("# --- (7) off-diagonal factors: the kernel since 2675e7c (fp16 when q, k are normalised, as here),")
+    print("#     and the shared-factor scheme of docs/design.md (A per row block, B per column block, gap)")
+    kern = dict(rec, FOFF="fp16")
+    run([("K: kernel (R, off-diagonal factors fp16)", kern),
+         ("K with shared factors (fp16)", dict(kern, FSHARE=True)),
+         ("R with shared factors (bf16)", dict(rec, FSHARE=True))], cases)
 
     if "--quick" not in sys.argv:
         print("# --- long case: one sequence of 4096 tokens, H=2 (seed 0)")
