@@ -132,6 +132,12 @@ __device__ inline void store8_bf16(bf16* p, const float (&x)[8]) {
   *reinterpret_cast<uint4*>(p) = u;
 }
 
+// 8 consecutive fp32 values (16-byte aligned) as two 16-byte loads.
+__device__ inline void load8_f32(const float* p, float (&x)[8]) {
+  const float4 u0 = *reinterpret_cast<const float4*>(p), u1 = *reinterpret_cast<const float4*>(p + 4);
+  x[0] = u0.x, x[1] = u0.y, x[2] = u0.z, x[3] = u0.w, x[4] = u1.x, x[5] = u1.y, x[6] = u1.z, x[7] = u1.w;
+}
+
 // q and k in shared memory: fp16 (l2-normalised) or bf16 (raw), chosen per call.
 __device__ inline uint32_t pack_qk(float lo, float hi, bool fp16) {
   if (fp16) {
@@ -616,10 +622,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
         }
       }
       if (a.g_fp32) {
-        const float4 u0 = *reinterpret_cast<const float4*>(sG + r * ldf + c8),
-                     u1 = *reinterpret_cast<const float4*>(sG + r * ldf + c8 + 4);
-        xg[0] = u0.x, xg[1] = u0.y, xg[2] = u0.z, xg[3] = u0.w;
-        xg[4] = u1.x, xg[5] = u1.y, xg[6] = u1.z, xg[7] = u1.w;
+        load8_f32(sG + r * ldf + c8, xg);
       } else {
         load8_qk(sGraw + r * D + c8, false, xg);
       }
@@ -737,14 +740,9 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   const int shift_k = pow2_shift(__int_as_float(sMax[1]), 0);  // |kt 2^-shift_k| < 1
   uint4 ktv[PASSES];
   float gl[8];  // G of the chunk's last row, the same for every pass
-  {
-    const float4 u0 = *reinterpret_cast<const float4*>(sG + (kChunk - 1) * ldf + c8),
-                 u1 = *reinterpret_cast<const float4*>(sG + (kChunk - 1) * ldf + c8 + 4);
-    gl[0] = u0.x, gl[1] = u0.y, gl[2] = u0.z, gl[3] = u0.w, gl[4] = u1.x, gl[5] = u1.y, gl[6] = u1.z,
-    gl[7] = u1.w;
+  load8_f32(sG + (kChunk - 1) * ldf + c8, gl);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) gl[i] -= static_cast<float>(shift_d);  // 2^-shift_d of KD, in the exponent
-  }
+  for (int i = 0; i < 8; ++i) gl[i] -= static_cast<float>(shift_d);  // 2^-shift_d of KD, in the exponent
 #pragma unroll
   for (int pass = 0; pass < PASSES; ++pass) {
     const int r = rbase + pass * RPP;
@@ -752,12 +750,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     load8_qk(sQ + r * ldh + c8, qk16, xq);
     load8_qk(sK + r * ldh + c8, qk16, xk);
     load8_qk(sV + r * ldh + c8, false, xv);
-    {
-      const float4 u0 = *reinterpret_cast<const float4*>(sG + r * ldf + c8),
-                   u1 = *reinterpret_cast<const float4*>(sG + r * ldf + c8 + 4);
-      xg[0] = u0.x, xg[1] = u0.y, xg[2] = u0.z, xg[3] = u0.w, xg[4] = u1.x, xg[5] = u1.y, xg[6] = u1.z,
-      xg[7] = u1.w;
-    }
+    load8_f32(sG + r * ldf + c8, xg);
     const float sk = pow2i(-shift_k), sv = pow2i(-shift_v);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
