@@ -16,10 +16,25 @@ import statistics
 
 import torch
 
-import flashkda
 from bench_prefill import CASES, OursVariant, kernel_times, make_inputs, time_graph
 
 CASE_IDS = (0, 3)  # 8x2048 H16, 1x8192 H64
+
+
+def interleaved(fns, rounds, measure):
+    """measure(fn) for every fn of the dict, `rounds` times, the order reversed every other round
+    (so that neither side always runs first); returns {key: [result per round]}."""
+    out = {k: [] for k in fns}
+    for r in range(rounds):
+        for k in (list(fns) if r % 2 == 0 else list(reversed(list(fns)))):
+            out[k].append(measure(fns[k]))
+    return out
+
+
+def interleaved_kernel_times(fns, iters, rounds=3):
+    """Per-kernel profiler times of each fn, median over interleaved rounds."""
+    kt = interleaved(fns, rounds, lambda fn: kernel_times(fn, iters))
+    return {k: {n: statistics.median(d[n] for d in kt[k]) for n in kt[k][0]} for k in fns}
 
 
 def main():
@@ -37,32 +52,21 @@ def main():
     for i in CASE_IDS:
         name, lens, H = CASES[i]
         x = make_inputs(lens, H)
-        # One output and one workspace for both dtypes: the A/B differs in the state tensors only.
-        T, N = x["q"].shape[1], x["cu32"].numel() - 1
-        out = torch.empty_like(x["v"])
-        ws = torch.empty(flashkda.get_workspace_size(T, H, N), dtype=torch.uint8, device="cuda")
-        # fp32_bf16vals: fp32 tensors holding the bf16-rounded values (separates a dtype cost from a
-        # data-dependent one).
-        fns = {"fp32": OursVariant(x, H, "fp32_state_prefill_op", out, ws),
-               "bf16": OursVariant(x, H, "bf16_state", out, ws),
+        # One output and one workspace (the fp32 variant's) for all: the A/B differs in the state
+        # tensors only.  fp32_bf16vals: fp32 tensors holding the bf16-rounded values (separates a dtype
+        # cost from a data-dependent one).
+        base = OursVariant(x, H, "fp32_state_prefill_op")
+        out, ws = base.out, base.ws
+        fns = {"fp32": base, "bf16": OursVariant(x, H, "bf16_state", out, ws),
                "fp32_bf16vals": OursVariant(x, H, "fp32_state_bf16_values", out, ws)}
-        times = {k: [] for k in fns}
-        for r in range(args.rounds):
-            order = list(fns) if r % 2 == 0 else list(reversed(list(fns)))
-            for k in order:
-                times[k].append(time_graph(fns[k], args.iters)[0])
+        times = interleaved(fns, args.rounds, lambda fn: time_graph(fn, args.iters)[0])
         ratios = [b / f for f, b in zip(times["fp32"], times["bf16"])]
         row = {"case": name, "fp32_us": times["fp32"], "bf16_us": times["bf16"],
                "fp32_median_us": statistics.median(times["fp32"]), "bf16_median_us": statistics.median(times["bf16"]),
                "bf16_over_fp32_median": statistics.median(ratios), "rounds_bf16_faster": sum(q < 1 for q in ratios)}
         row["fp32_bf16vals_us"] = times["fp32_bf16vals"]
         row["fp32_bf16vals_median_us"] = statistics.median(times["fp32_bf16vals"])
-        # per-kernel times, interleaved over 3 rounds (median per kernel)
-        kt = {k: [] for k in fns}
-        for r in range(3):
-            for k in (list(fns) if r % 2 == 0 else list(reversed(list(fns)))):
-                kt[k].append(kernel_times(fns[k], args.iters))
-        row["kernel_us"] = {k: {name: statistics.median(d[name] for d in kt[k]) for name in kt[k][0]} for k in fns}
+        row["kernel_us"] = interleaved_kernel_times(fns, args.iters)
         if args.entry_exit:  # which end of the state pass carries a dtype cost: h0 only, ht only
             ee = {}
             for dt in ("fp32", "bf16"):
@@ -71,11 +75,7 @@ def main():
                     v = OursVariant(x, H, "fp32_state_prefill_op", out, ws)
                     v.kw = dict(initial_state=h0) if end == "h0_only" else dict(final_state=torch.empty_like(h0))
                     ee[f"{end}_{dt}"] = v
-            kt = {k: [] for k in ee}
-            for r in range(3):
-                for k in (list(ee) if r % 2 == 0 else list(reversed(list(ee)))):
-                    kt[k].append(kernel_times(ee[k], args.iters))
-            row["entry_exit_us"] = {k: {n: statistics.median(d[n] for d in kt[k]) for n in kt[k][0]} for k in ee}
+            row["entry_exit_us"] = interleaved_kernel_times(ee, args.iters)
             for k in ee:
                 rec = [v for n, v in row["entry_exit_us"][k].items() if "state_recurrence" in n]
                 print(f"    {k:12s} state_recurrence {rec[0] if rec else float('nan'):8.1f} us", flush=True)
