@@ -17,8 +17,9 @@
 //      row 16I+7; when a chunk's half-span exceeds kMaxHalfSpanLog2 they are summed pairwise instead.
 //      The diagonal blocks carry the largest entries of L and MQK, so their factors go through
 //      tf32 mma (fp32 range, 10-bit mantissa) rather than bf16.  Off-diagonal factors are bf16, or
-//      fp16 (packed products) when q and k are l2-normalised.  MQK is stored fp16 with a
-//      power-of-two shift from the bound scale |q_i| |k_j|.
+//      fp16 (packed products) when q and k are l2-normalised; A depends on I alone, so the warps that
+//      own two blocks of one row block form it once.  Warps 0-3 own the diagonal blocks, 4-7 the six
+//      off-diagonal ones.  MQK is stored fp16 with a power-of-two shift from the bound scale |q_i| |k_j|.
 //   4. kt replaces G; T_inv = (I + L)^-1 replaces q, k: 16x16 diagonal blocks by fp32 forward
 //      substitution (one warp each), then the off-diagonal blocks level by level on tf32 mma (one
 //      warp per block), T_IJ = -T_II sum_M L_IM T_MJ.
@@ -33,6 +34,8 @@
 #pragma once
 
 #include <cuda_fp16.h>
+
+#include <type_traits>
 
 #include "sm90/kda_common.cuh"
 
@@ -193,8 +196,10 @@ __device__ inline void store_lk_block(const float (&accL)[2][4], const float (&a
 }
 
 // Diagonal block I on tf32 tensor cores, factorised around its row 7 (factors up to 2^half-span).
-template <int D>
-__device__ inline void lk_block_diag_tf32(const uint16_t* sQ, const uint16_t* sK, bool fp16, const float* sG,
+// kF16: q and k are held as fp16 (l2-normalised) rather than raw bf16 (a template argument so that
+// the loop carries one conversion path, not both predicated).
+template <int D, bool kF16>
+__device__ inline void lk_block_diag_tf32(const uint16_t* sQ, const uint16_t* sK, const float* sG,
                                           const float* sB, float* sL, bf16* mqk, float scale, int I,
                                           int lane) {
   constexpr int ldf = PrepareSmem<D>::kLdF, ldh = PrepareSmem<D>::kLdH;
@@ -214,19 +219,19 @@ __device__ inline void lk_block_diag_tf32(const uint16_t* sQ, const uint16_t* sK
       const int row = 16 * I + g + 8 * hr;
       const float2 gg = *reinterpret_cast<const float2*>(sG + row * ldf + c0);
       const float e0 = fast_exp2(gg.x - gr.x), e1 = fast_exp2(gg.y - gr.y);
-      const float2 kk = load_qk2(sK + row * ldh + c0, fp16), qq = load_qk2(sQ + row * ldh + c0, fp16);
-      ak[hr] = to_tf32(kk.x * e0);
-      ak[2 + hr] = to_tf32(kk.y * e1);
-      aq[hr] = to_tf32(qq.x * e0);
-      aq[2 + hr] = to_tf32(qq.y * e1);
+      const float2 kk = load_qk2(sK + row * ldh + c0, kF16), qq = load_qk2(sQ + row * ldh + c0, kF16);
+      ak[hr] = tf32_operand(kk.x * e0);
+      ak[2 + hr] = tf32_operand(kk.y * e1);
+      aq[hr] = tf32_operand(qq.x * e0);
+      aq[2 + hr] = tf32_operand(qq.y * e1);
     }
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {  // b0: (k = t, n = g) -> column c0, b1: (k = t + 4, n = g) -> c0 + 1
       const int row = 16 * I + 8 * nt + g;
       const float2 gg = *reinterpret_cast<const float2*>(sG + row * ldf + c0);
-      const float2 kk = load_qk2(sK + row * ldh + c0, fp16);
-      bk[nt][0] = to_tf32(kk.x * fast_exp2(gr.x - gg.x));
-      bk[nt][1] = to_tf32(kk.y * fast_exp2(gr.y - gg.y));
+      const float2 kk = load_qk2(sK + row * ldh + c0, kF16);
+      bk[nt][0] = tf32_operand(kk.x * fast_exp2(gr.x - gg.x));
+      bk[nt][1] = tf32_operand(kk.y * fast_exp2(gr.y - gg.y));
     }
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
@@ -237,91 +242,90 @@ __device__ inline void lk_block_diag_tf32(const uint16_t* sQ, const uint16_t* sK
   store_lk_block<D>(accL, accM, sB, sL, mqk, scale, I, I, lane);
 }
 
-// One 16x16 block (I, J) of L and MQK on tensor cores, factorised around reference row `ref`.
-// kF16 (l2-normalised q and k, held as fp16 in smem): both factors are at most 1 in magnitude, so the
-// operands are formed and multiplied in fp16 (packed: the decay pair rounded to half2, one HMUL2 per
-// operand pair) instead of converted to fp32, scaled and rounded to bf16: a third of the block's
-// instructions, and fp16's 11-bit mantissa is finer than bf16's 8 (terms under fp16's 2^-24 flush,
+// An operand pair x 2^e of an off-diagonal L / MQK factor (both factors are <= 1).  kF16
+// (l2-normalised q and k, held as fp16 in smem): the decay pair is rounded to half2 once and each
+// operand pair is one HMUL2, a third of the instructions of converting to fp32, scaling and
+// rounding to bf16; fp16's 11-bit mantissa is finer than bf16's 8 (terms under fp16's 2^-24 flush,
 // far below the block's O(1) entries).  Raw (unnormalised) q and k need bf16's range.
-template <int D, bool kF16>
-__device__ inline void lk_block_mma(const uint16_t* sQ, const uint16_t* sK, const float* sG, const float* sB,
-                                    float* sL, bf16* mqk, float scale, int I, int J, int ref, int lane) {
-  constexpr int ldf = PrepareSmem<D>::kLdF, ldh = PrepareSmem<D>::kLdH;
-  constexpr bool fp16 = kF16;
-  const int g = lane >> 2, t = lane & 3;
-  float accL[2][4] = {}, accM[2][4] = {};
-  const float* gref = sG + ref * ldf;
+template <bool kF16>
+struct DecayPair;
+template <>
+struct DecayPair<true> {
+  __half2 e;
+  __device__ DecayPair(float e0, float e1) : e(__floats2half2_rn(e0, e1)) {}
+  __device__ uint32_t apply(const uint16_t* p) const {
+    const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(p), e);
+    return *reinterpret_cast<const uint32_t*>(&r);
+  }
+};
+template <>
+struct DecayPair<false> {
+  float e0, e1;
+  __device__ DecayPair(float x0, float x1) : e0(x0), e1(x1) {}
+  __device__ uint32_t apply(const uint16_t* p) const {
+    const float2 x = load_qk2(p, false);
+    return pack_bf16(x.x * e0, x.y * e1);
+  }
+};
+
+template <bool kF16>
+__device__ inline void mma_factor(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   if constexpr (kF16) {
-#pragma unroll 2
-    for (int s = 0; s < D / 16; ++s) {
-      uint32_t ak[4], aq[4], bk[2][2];
-#pragma unroll
-      for (int h = 0; h < 4; ++h) {  // a0: (g, 2t) a1: (g+8, 2t) a2: (g, 2t+8) a3: (g+8, 2t+8)
-        const int row = 16 * I + g + (h & 1) * 8;
-        const int col = 16 * s + 2 * t + (h >> 1) * 8;
-        const float2 gg = *reinterpret_cast<const float2*>(sG + row * ldf + col);
-        const float2 gr = *reinterpret_cast<const float2*>(gref + col);
-        const __half2 e = __floats2half2_rn(fast_exp2(gg.x - gr.x), fast_exp2(gg.y - gr.y));
-        const __half2 kk = __hmul2(*reinterpret_cast<const __half2*>(sK + row * ldh + col), e);
-        const __half2 qq = __hmul2(*reinterpret_cast<const __half2*>(sQ + row * ldh + col), e);
-        ak[h] = *reinterpret_cast<const uint32_t*>(&kk);
-        aq[h] = *reinterpret_cast<const uint32_t*>(&qq);
-      }
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {  // b0: k rows 2t, 2t+1; b1: 2t+8, 2t+9; n col g
-          const int row = 16 * J + 8 * nt + g;
-          const int col = 16 * s + 2 * t + 8 * h;
-          const float2 gg = *reinterpret_cast<const float2*>(sG + row * ldf + col);
-          const float2 gr = *reinterpret_cast<const float2*>(gref + col);
-          const __half2 e = __floats2half2_rn(fast_exp2(gr.x - gg.x), fast_exp2(gr.y - gg.y));
-          const __half2 kk = __hmul2(*reinterpret_cast<const __half2*>(sK + row * ldh + col), e);
-          bk[nt][h] = *reinterpret_cast<const uint32_t*>(&kk);
-        }
-      }
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        mma_f16(accL[nt], ak, bk[nt][0], bk[nt][1]);
-        mma_f16(accM[nt], aq, bk[nt][0], bk[nt][1]);
-      }
-    }
+    mma_f16(d, a, b0, b1);
   } else {
+    mma_bf16(d, a, b0, b1);
+  }
+}
+
+// Off-diagonal blocks (I, J0) and, when `two`, (I, J0 + 1) of L and MQK on tensor cores, factorised
+// around the row before block I (ref = 16 I - 1): A = k_i 2^(G_i - G_ref) (and q), B = k_j
+// 2^(G_ref - G_j), both <= 1 for any gate.  A depends on I alone, so a warp that owns two blocks of
+// a row block forms each A fragment once and uses it for both (`two` is warp-uniform).
+template <int D, bool kF16>
+__device__ inline void lk_row_blocks(const uint16_t* sQ, const uint16_t* sK, const float* sG, const float* sB,
+                                     float* sL, bf16* mqk, float scale, int I, int J0, bool two, int lane) {
+  constexpr int ldf = PrepareSmem<D>::kLdF, ldh = PrepareSmem<D>::kLdH;
+  const int g = lane >> 2, t = lane & 3;
+  float accL[2][2][4] = {}, accM[2][2][4] = {};
+  const float* gref = sG + (16 * I - 1) * ldf;
 #pragma unroll 2
-    for (int s = 0; s < D / 16; ++s) {
-      uint32_t ak[4], aq[4], bk[2][2];
+  for (int s = 0; s < D / 16; ++s) {
+    uint32_t ak[4], aq[4];
 #pragma unroll
-      for (int h = 0; h < 4; ++h) {  // a0: (g, 2t) a1: (g+8, 2t) a2: (g, 2t+8) a3: (g+8, 2t+8)
-        const int row = 16 * I + g + (h & 1) * 8;
-        const int col = 16 * s + 2 * t + (h >> 1) * 8;
-        const float2 gg = *reinterpret_cast<const float2*>(sG + row * ldf + col);
-        const float2 gr = *reinterpret_cast<const float2*>(gref + col);
-        const float e0 = fast_exp2(gg.x - gr.x), e1 = fast_exp2(gg.y - gr.y);
-        const float2 kk = load_qk2(sK + row * ldh + col, fp16);
-        const float2 qq = load_qk2(sQ + row * ldh + col, fp16);
-        ak[h] = pack_bf16(kk.x * e0, kk.y * e1);
-        aq[h] = pack_bf16(qq.x * e0, qq.y * e1);
-      }
+    for (int h = 0; h < 4; ++h) {  // a0: (g, 2t) a1: (g+8, 2t) a2: (g, 2t+8) a3: (g+8, 2t+8)
+      const int row = 16 * I + g + (h & 1) * 8;
+      const int col = 16 * s + 2 * t + (h >> 1) * 8;
+      const float2 gg = *reinterpret_cast<const float2*>(sG + row * ldf + col);
+      const float2 gr = *reinterpret_cast<const float2*>(gref + col);
+      const DecayPair<kF16> e(fast_exp2(gg.x - gr.x), fast_exp2(gg.y - gr.y));
+      ak[h] = e.apply(sK + row * ldh + col);
+      aq[h] = e.apply(sQ + row * ldh + col);
+    }
+#pragma unroll
+    for (int jb = 0; jb < 2; ++jb) {
+      if (jb == 1 && !two) break;
+      uint32_t bk[2][2];
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {  // b0: k rows 2t, 2t+1; b1: 2t+8, 2t+9; n col g
-          const int row = 16 * J + 8 * nt + g;
+          const int row = 16 * (J0 + jb) + 8 * nt + g;
           const int col = 16 * s + 2 * t + 8 * h;
           const float2 gg = *reinterpret_cast<const float2*>(sG + row * ldf + col);
           const float2 gr = *reinterpret_cast<const float2*>(gref + col);
-          const float2 kk = load_qk2(sK + row * ldh + col, fp16);
-          bk[nt][h] = pack_bf16(kk.x * fast_exp2(gr.x - gg.x), kk.y * fast_exp2(gr.y - gg.y));
+          bk[nt][h] =
+              DecayPair<kF16>(fast_exp2(gr.x - gg.x), fast_exp2(gr.y - gg.y)).apply(sK + row * ldh + col);
         }
       }
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-        mma_bf16(accL[nt], ak, bk[nt][0], bk[nt][1]);
-        mma_bf16(accM[nt], aq, bk[nt][0], bk[nt][1]);
+        mma_factor<kF16>(accL[jb][nt], ak, bk[nt][0], bk[nt][1]);
+        mma_factor<kF16>(accM[jb][nt], aq, bk[nt][0], bk[nt][1]);
       }
     }
   }
-  store_lk_block<D>(accL, accM, sB, sL, mqk, scale, I, J, lane);
+  store_lk_block<D>(accL[0], accM[0], sB, sL, mqk, scale, I, J0, lane);
+  if (two) store_lk_block<D>(accL[1], accM[1], sB, sL, mqk, scale, I, J0 + 1, lane);
 }
 
 // Diagonal block I summed pairwise with 2^(G_i - G_j) <= 1: safe for any decay (slow path).
@@ -375,11 +379,12 @@ __device__ inline void tinv_level(const float* sL, float* sTi, float* sX, int wa
     for (int s = 0; s < 2 * d; ++s) {  // k-steps of 8 over columns 16J .. 16I-1 of L's row block I
       const int k0 = 16 * J + 8 * s;
       const float* lr = sL + (16 * I + g) * ldt + k0 + t;
-      const uint32_t af[4] = {to_tf32(lr[0]), to_tf32(lr[8 * ldt]), to_tf32(lr[4]), to_tf32(lr[8 * ldt + 4])};
+      const uint32_t af[4] = {tf32_operand(lr[0]), tf32_operand(lr[8 * ldt]), tf32_operand(lr[4]),
+                              tf32_operand(lr[8 * ldt + 4])};
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         const float* tc = sTi + (k0 + t) * ldt + 16 * J + 8 * nt + g;
-        mma_tf32(x[nt], af, to_tf32(tc[0]), to_tf32(tc[4 * ldt]));
+        mma_tf32(x[nt], af, tf32_operand(tc[0]), tf32_operand(tc[4 * ldt]));
       }
     }
     float* xs = sX + warp * 16 * 17;
@@ -395,11 +400,12 @@ __device__ inline void tinv_level(const float* sL, float* sTi, float* sX, int wa
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
       const float* tr = sTi + (16 * I + g) * ldt + 16 * I + 8 * s + t;
-      const uint32_t af[4] = {to_tf32(tr[0]), to_tf32(tr[8 * ldt]), to_tf32(tr[4]), to_tf32(tr[8 * ldt + 4])};
+      const uint32_t af[4] = {tf32_operand(tr[0]), tf32_operand(tr[8 * ldt]), tf32_operand(tr[4]),
+                              tf32_operand(tr[8 * ldt + 4])};
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         const float* xc = xs + (8 * s + t) * 17 + 8 * nt + g;
-        mma_tf32(y[nt], af, to_tf32(xc[0]), to_tf32(xc[4 * 17]));
+        mma_tf32(y[nt], af, tf32_operand(xc[0]), tf32_operand(xc[4 * 17]));
       }
     }
 #pragma unroll
@@ -743,31 +749,40 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   load8_f32(sG + (kChunk - 1) * ldf + c8, gl);
 #pragma unroll
   for (int i = 0; i < 8; ++i) gl[i] -= static_cast<float>(shift_d);  // 2^-shift_d of KD, in the exponent
+  // q / k dtype as a template argument: one conversion path in the loop, not both predicated.
+  auto qt_kd_passes = [&](auto f16) {
+    constexpr bool kF16 = decltype(f16)::value;
 #pragma unroll
-  for (int pass = 0; pass < PASSES; ++pass) {
-    const int r = rbase + pass * RPP;
-    float xq[8], xk[8], xd[8], xv[8], xg[8];
-    load8_qk(sQ + r * ldh + c8, qk16, xq);
-    load8_qk(sK + r * ldh + c8, qk16, xk);
-    load8_qk(sV + r * ldh + c8, false, xv);
-    load8_f32(sG + r * ldf + c8, xg);
-    const float sk = pow2i(-shift_k), sv = pow2i(-shift_v);
+    for (int pass = 0; pass < PASSES; ++pass) {
+      const int r = rbase + pass * RPP;
+      float xq[8], xk[8], xd[8], xv[8], xg[8];
+      load8_qk(sQ + r * ldh + c8, kF16, xq);
+      load8_qk(sK + r * ldh + c8, kF16, xk);
+      load8_qk(sV + r * ldh + c8, false, xv);
+      load8_f32(sG + r * ldf + c8, xg);
+      const float sk = pow2i(-shift_k), sv = pow2i(-shift_v);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float gg = xg[i];
-      const float e = fast_exp2(gg);
-      xq[i] = scale * xq[i] * e;
-      xd[i] = xk[i] * fast_exp2(gl[i] - gg);  // gl carries KD's shift
-      xk[i] *= sk * e;
-      xv[i] *= sv;
+      for (int i = 0; i < 8; ++i) {
+        const float gg = xg[i];
+        const float e = fast_exp2(gg);
+        xq[i] = scale * xq[i] * e;
+        xd[i] = xk[i] * fast_exp2(gl[i] - gg);  // gl carries KD's shift
+        xk[i] *= sk * e;
+        xv[i] *= sv;
+      }
+      store8_bf16(rQT + r * D + c8, xq);
+      *reinterpret_cast<uint4*>(rKD + r * D + c8) = make_uint4(
+          pack_f16(xd[0], xd[1]), pack_f16(xd[2], xd[3]), pack_f16(xd[4], xd[5]), pack_f16(xd[6], xd[7]));
+      ktv[pass] = make_uint4(pack_f16(xk[0], xk[1]), pack_f16(xk[2], xk[3]), pack_f16(xk[4], xk[5]),
+                             pack_f16(xk[6], xk[7]));
+      *reinterpret_cast<uint4*>(sV + r * ldh + c8) = make_uint4(
+          pack_f16(xv[0], xv[1]), pack_f16(xv[2], xv[3]), pack_f16(xv[4], xv[5]), pack_f16(xv[6], xv[7]));
     }
-    store8_bf16(rQT + r * D + c8, xq);
-    *reinterpret_cast<uint4*>(rKD + r * D + c8) = make_uint4(pack_f16(xd[0], xd[1]), pack_f16(xd[2], xd[3]),
-                                                             pack_f16(xd[4], xd[5]), pack_f16(xd[6], xd[7]));
-    ktv[pass] = make_uint4(pack_f16(xk[0], xk[1]), pack_f16(xk[2], xk[3]), pack_f16(xk[4], xk[5]),
-                           pack_f16(xk[6], xk[7]));
-    *reinterpret_cast<uint4*>(sV + r * ldh + c8) = make_uint4(pack_f16(xv[0], xv[1]), pack_f16(xv[2], xv[3]),
-                                                              pack_f16(xv[4], xv[5]), pack_f16(xv[6], xv[7]));
+  };
+  if (qk16) {
+    qt_kd_passes(std::true_type{});
+  } else {
+    qt_kd_passes(std::false_type{});
   }
   // Upper blocks of MQK are zero (the state pass multiplies the whole 64x64 tile).
   for (int e = tid; e < kChunk * kChunk / 8; e += kPrepareThreads) {
@@ -778,26 +793,27 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
 
   // ---- 3. L and MQK blocks ---------------------------------------------------------------------
   {
-    // Warps 0-3: diagonal block I = warp (tf32: about twice an off-diagonal block).  Warps 4-7: the
-    // six off-diagonal blocks, two for warps 4 and 5: (3,0) (1,0) | (3,1) (2,0) | (3,2) | (2,1).
-    if (warp < 4) {
-      if (!pairwise_diag) {
-        lk_block_diag_tf32<D>(sQ, sK, qk16, sG, sB, sL, rMQK, mqk_scale, warp, lane);
-      } else {
-        lk_block_pairwise<D>(sQ, sK, qk16, sG, sB, sL, rMQK, mqk_scale, warp, lane);
-      }
-    } else {
-      // (I, J) of off-diagonal block q in 4-bit fields: I = {3,3,3,2,1,2}, J = {0,1,2,1,0,0}.
-      constexpr uint32_t kOffI = 0x212333u, kOffJ = 0x001210u;
-      for (int q = warp - 4; q < 6; q += 4) {
-        const int I = static_cast<int>((kOffI >> (4 * q)) & 15),
-                  J = static_cast<int>((kOffJ >> (4 * q)) & 15);
-        if (qk16) {
-          lk_block_mma<D, true>(sQ, sK, sG, sB, sL, rMQK, mqk_scale, I, J, 16 * I - 1, lane);
+    // Warps 0-3: diagonal block I = warp (tf32).  Warps 4-7: the six off-diagonal blocks, those of one
+    // row block sharing their A fragments: (3,0)+(3,1) | (2,0)+(2,1) | (3,2) | (1,0).  With the A's
+    // shared, a warp of two blocks issues about as much as a diagonal one.
+    auto blocks = [&](auto f16) {
+      constexpr bool kF16 = decltype(f16)::value;
+      if (warp < 4) {
+        if (!pairwise_diag) {
+          lk_block_diag_tf32<D, kF16>(sQ, sK, sG, sB, sL, rMQK, mqk_scale, warp, lane);
         } else {
-          lk_block_mma<D, false>(sQ, sK, sG, sB, sL, rMQK, mqk_scale, I, J, 16 * I - 1, lane);
+          lk_block_pairwise<D>(sQ, sK, kF16, sG, sB, sL, rMQK, mqk_scale, warp, lane);
         }
+      } else {
+        const int q = warp - 4;  // (I, J0, two): (3,0,1) (2,0,1) (3,2,0) (1,0,0)
+        const int I = q == 0 ? 3 : (q == 1 ? 2 : (q == 2 ? 3 : 1));
+        lk_row_blocks<D, kF16>(sQ, sK, sG, sB, sL, rMQK, mqk_scale, I, q == 2 ? 2 : 0, q < 2, lane);
       }
+    };
+    if (qk16) {
+      blocks(std::true_type{});
+    } else {
+      blocks(std::false_type{});
     }
   }
   __syncthreads();

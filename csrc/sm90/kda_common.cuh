@@ -265,11 +265,19 @@ __device__ inline void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// x rounded to tf32 (nearest, ties away), low 13 bits zero: for values used as fp32 afterwards
+// (the 3xTF32 hi / lo split).
 __device__ inline uint32_t to_tf32(float x) {
   uint32_t r;
   asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
   return r;
 }
+
+// x as an mma .tf32 operand, rounded to nearest (ties away).  The tensor cores read only the top 19
+// bits of a tf32 operand, so adding half a tf32 ulp to the bits is the whole rounding (a carry into
+// the exponent is the correct round-up).  One integer add, where cvt.rna.tf32.f32 compiles on sm_90
+// to a finiteness test plus the same predicated add.  x must be finite (an inf stays inf).
+__device__ inline uint32_t tf32_operand(float x) { return __float_as_uint(x) + 0x1000u; }
 
 // 2^e as a float, for |e| <= 126 (exact scaling).
 __device__ inline float pow2i(int e) { return __int_as_float((127 + e) << 23); }

@@ -148,8 +148,7 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
   // bf16 h0 pairs (kWhole, paired loads) are converted only after the first chunk's record wait: a
   // conversion before the walk held the issue of the next record stage until the state had arrived,
   // which cost the bf16 state +1.3 us (8x2048 H16) and +6 us (1x8192 H64) over fp32, whose loads
-  // are waited for at their first use.  With checkpoints, the state is read at the walk's top, so it
-  // is converted here.
+  // are waited for at their first use.
   bool h0_bf16_pending = false;
   auto h0_bf16_convert = [&]() {
 #pragma unroll
@@ -225,7 +224,9 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
     }
   }
 
-  if (h0_bf16_pending && a.ckpt_offsets != nullptr) {
+  // With checkpoints the state is read at the walk's top, and an empty sequence has no first chunk:
+  // both convert here.
+  if (h0_bf16_pending && (a.ckpt_offsets != nullptr || c_begin >= c_end)) {
     h0_bf16_convert();
     h0_bf16_pending = false;
   }
@@ -438,7 +439,6 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
     return;
   }
   if constexpr (kWhole) {
-    if (h0_bf16_pending) h0_bf16_convert();  // an empty sequence: no chunk converted it
     if (a.ckpt_offsets != nullptr) write_checkpoints(nchunks);
   }
   if (a.ht != nullptr && last_segment && a.ht_vec16) {
