@@ -21,8 +21,9 @@
 //      own two blocks of one row block form it once.  Warps 0-3 own the diagonal blocks, 4-7 the six
 //      off-diagonal ones.  MQK is stored fp16 with a power-of-two shift from the bound scale |q_i| |k_j|.
 //   4. kt replaces G; T_inv = (I + L)^-1 replaces q, k: 16x16 diagonal blocks by fp32 forward
-//      substitution (one warp each), then the off-diagonal blocks level by level on tf32 mma (one
-//      warp per block), T_IJ = -T_II sum_M L_IM T_MJ.
+//      substitution (in phase 3, by the warp that computed L_II, kept in registers until q and k are
+//      dead), then the off-diagonal blocks T_IJ = -T_II sum_M L_IM T_MJ on tf32 mma, one warp per
+//      column J walking I = J+1 .. 3 (a column needs only its own blocks: no block barrier between).
 //   5. W = (T_inv diag(b)) kt and UT = (T_inv diag(b) v)^T as fp16 mma's: v, kt and T_inv diag(b) are
 //      each scaled by a power of two chosen from their block maximum so that every operand and the
 //      U result fit fp16 for any finite input (|v'| < 2^8, |kt'| < 1, |Tb'| < 2, |U'| < 2^15); the
@@ -67,7 +68,7 @@ struct PrepareSmem {
   static constexpr int kKtb = kG;                       // fp16 kt [C][kLdH] over G
   static constexpr int kTi = kTinvOverQK ? kQ : kEnd;   // fp32 T_inv [C][kLdT]
   static constexpr int kTib = kTi + kChunk * kLdT * 4;  // fp16 T_inv diag(b) [C][kLdTb]
-  static constexpr int kX = kTib + kChunk * kLdTb * 2;  // level scratch 3 x 16 x 17 fp32
+  static constexpr int kX = kTib + kChunk * kLdTb * 2;  // column-walk scratch 3 x 16 x 17 fp32
   static constexpr int kBytes = kTinvOverQK ? kEnd : kEnd + kTinvBytes;
   static_assert(kChunk * kLdH * 2 <= kV - kG, "kt must fit over G");
 };
@@ -363,61 +364,73 @@ __device__ inline void lk_block_pairwise(const uint16_t* sQ, const uint16_t* sK,
   }
 }
 
-// Off-diagonal blocks of T_inv at block distance d, one warp per block (I, J = I - d):
-// X = sum_{M=J}^{I-1} L_IM T_MJ, then T_IJ = -T_II X, both on tf32 tensor cores with fp32
-// accumulation.  tf32 keeps fp16's 10-bit mantissa, the precision T_inv diag(b) is stored with for
-// the W / U products anyway; the fp32 range keeps any L finite.  X goes through the warp's scratch to
-// turn from accumulator into operand layout.
-template <int D, int d>
-__device__ inline void tinv_level(const float* sL, float* sTi, float* sX, int warp, int lane) {
+// Diagonal block I of T_inv = (I + L)^-1 by forward substitution, one column per lane (lanes 0-15),
+// into registers: run by the warp that wrote L_II, right after it (L_II is warp-private until the
+// block barrier), so the substitution overlaps the off-diagonal L blocks of the other warps.  T_inv
+// lives over q and k, which phase 3 still reads: the caller stores tcol after the barrier.
+template <int D>
+__device__ inline void tinv_diag_block(const float* sL, float (&tcol)[16], int I, int cc) {
+  constexpr int ldt = PrepareSmem<D>::kLdT;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    float v = (i == cc) ? 1.f : 0.f;
+#pragma unroll
+    for (int j = 0; j < i; ++j) v -= sL[(16 * I + i) * ldt + 16 * I + j] * tcol[j];
+    tcol[i] = (i >= cc) ? v : 0.f;
+  }
+}
+
+// Off-diagonal block (I, J) of T_inv: X = sum_{M=J}^{I-1} L_IM T_MJ, then T_IJ = -T_II X, both on
+// tf32 tensor cores with fp32 accumulation.  tf32 keeps fp16's 10-bit mantissa, the precision
+// T_inv diag(b) is stored with for the W / U products anyway; the fp32 range keeps any L finite.  X
+// goes through the warp's scratch `xs` to turn from accumulator into operand layout.  One warp walks
+// a column J (I = J+1 .. 3): each T_MJ it reads is the diagonal (stored before the barrier) or one it
+// wrote itself, so the chain needs no block barrier between its steps.
+template <int D>
+__device__ inline void tinv_block(const float* sL, float* sTi, float* xs, int I, int J, int lane) {
   constexpr int ldt = PrepareSmem<D>::kLdT;
   const int g = lane >> 2, t = lane & 3;
-  if (warp < 4 - d) {
-    const int J = warp, I = warp + d;
-    float x[2][4] = {};
-#pragma unroll
-    for (int s = 0; s < 2 * d; ++s) {  // k-steps of 8 over columns 16J .. 16I-1 of L's row block I
-      const int k0 = 16 * J + 8 * s;
-      const float* lr = sL + (16 * I + g) * ldt + k0 + t;
-      const uint32_t af[4] = {tf32_operand(lr[0]), tf32_operand(lr[8 * ldt]), tf32_operand(lr[4]),
-                              tf32_operand(lr[8 * ldt + 4])};
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const float* tc = sTi + (k0 + t) * ldt + 16 * J + 8 * nt + g;
-        mma_tf32(x[nt], af, tf32_operand(tc[0]), tf32_operand(tc[4 * ldt]));
-      }
-    }
-    float* xs = sX + warp * 16 * 17;
+  float x[2][4] = {};
+  for (int s = 0; s < 2 * (I - J); ++s) {  // k-steps of 8 over columns 16J .. 16I-1 of L's row block I
+    const int k0 = 16 * J + 8 * s;
+    const float* lr = sL + (16 * I + g) * ldt + k0 + t;
+    const uint32_t af[4] = {tf32_operand(lr[0]), tf32_operand(lr[8 * ldt]), tf32_operand(lr[4]),
+                            tf32_operand(lr[8 * ldt + 4])};
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
-      xs[g * 17 + 8 * nt + 2 * t] = x[nt][0];
-      xs[g * 17 + 8 * nt + 2 * t + 1] = x[nt][1];
-      xs[(g + 8) * 17 + 8 * nt + 2 * t] = x[nt][2];
-      xs[(g + 8) * 17 + 8 * nt + 2 * t + 1] = x[nt][3];
-    }
-    __syncwarp();
-    float y[2][4] = {};
-#pragma unroll
-    for (int s = 0; s < 2; ++s) {
-      const float* tr = sTi + (16 * I + g) * ldt + 16 * I + 8 * s + t;
-      const uint32_t af[4] = {tf32_operand(tr[0]), tf32_operand(tr[8 * ldt]), tf32_operand(tr[4]),
-                              tf32_operand(tr[8 * ldt + 4])};
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const float* xc = xs + (8 * s + t) * 17 + 8 * nt + g;
-        mma_tf32(y[nt], af, tf32_operand(xc[0]), tf32_operand(xc[4 * 17]));
-      }
-    }
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      float* o = sTi + (16 * I + g) * ldt + 16 * J + 8 * nt + 2 * t;
-      o[0] = -y[nt][0];
-      o[1] = -y[nt][1];
-      o[8 * ldt] = -y[nt][2];
-      o[8 * ldt + 1] = -y[nt][3];
+      const float* tc = sTi + (k0 + t) * ldt + 16 * J + 8 * nt + g;
+      mma_tf32(x[nt], af, tf32_operand(tc[0]), tf32_operand(tc[4 * ldt]));
     }
   }
-  __syncthreads();
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    xs[g * 17 + 8 * nt + 2 * t] = x[nt][0];
+    xs[g * 17 + 8 * nt + 2 * t + 1] = x[nt][1];
+    xs[(g + 8) * 17 + 8 * nt + 2 * t] = x[nt][2];
+    xs[(g + 8) * 17 + 8 * nt + 2 * t + 1] = x[nt][3];
+  }
+  __syncwarp();
+  float y[2][4] = {};
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    const float* tr = sTi + (16 * I + g) * ldt + 16 * I + 8 * s + t;
+    const uint32_t af[4] = {tf32_operand(tr[0]), tf32_operand(tr[8 * ldt]), tf32_operand(tr[4]),
+                            tf32_operand(tr[8 * ldt + 4])};
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const float* xc = xs + (8 * s + t) * 17 + 8 * nt + g;
+      mma_tf32(y[nt], af, tf32_operand(xc[0]), tf32_operand(xc[4 * 17]));
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    float* o = sTi + (16 * I + g) * ldt + 16 * J + 8 * nt + 2 * t;
+    o[0] = -y[nt][0];
+    o[1] = -y[nt][1];
+    o[8 * ldt] = -y[nt][2];
+    o[8 * ldt + 1] = -y[nt][3];
+  }
+  __syncwarp();  // T_IJ visible to the warp's next block; xs free again
 }
 
 // slot_to_chunk by the whole block: the sequence of a slot is the number of sequences whose first
@@ -791,7 +804,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   }
   const bool pairwise_diag = __syncthreads_or(over) != 0;
 
-  // ---- 3. L and MQK blocks ---------------------------------------------------------------------
+  // ---- 3. L and MQK blocks, and the diagonal blocks of T_inv ----------------------------------------
+  float tcol[16];  // warps 0-3, lanes 0-15: column `lane` of T_inv's diagonal block `warp`
   {
     // Warps 0-3: diagonal block I = warp (tf32).  Warps 4-7: the six off-diagonal blocks, those of one
     // row block sharing their A fragments: (3,0)+(3,1) | (2,0)+(2,1) | (3,2) | (1,0).  With the A's
@@ -804,6 +818,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
         } else {
           lk_block_pairwise<D>(sQ, sK, kF16, sG, sB, sL, rMQK, mqk_scale, warp, lane);
         }
+        __syncwarp();
+        if (lane < 16) tinv_diag_block<D>(sL, tcol, warp, lane);
       } else {
         const int q = warp - 4;  // (I, J0, two): (3,0,1) (2,0,1) (3,2,0) (1,0,0)
         const int I = q == 0 ? 3 : (q == 1 ? 2 : (q == 2 ? 3 : 1));
@@ -823,23 +839,15 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   for (int pass = 0; pass < PASSES; ++pass) {
     *reinterpret_cast<uint4*>(sKt + (rbase + pass * RPP) * ldh + c8) = ktv[pass];
   }
-  if (warp < 4 && lane < 16) {  // diagonal blocks by forward substitution, one column per lane
-    const int I = warp, cc = lane;
-    float tcol[16];
+  if (warp < 4 && lane < 16) {
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      float v = (i == cc) ? 1.f : 0.f;
-#pragma unroll
-      for (int j = 0; j < i; ++j) v -= sL[(16 * I + i) * ldt + 16 * I + j] * tcol[j];
-      tcol[i] = (i >= cc) ? v : 0.f;
-    }
-#pragma unroll
-    for (int i = 0; i < 16; ++i) sTi[(16 * I + i) * ldt + 16 * I + cc] = tcol[i];
+    for (int i = 0; i < 16; ++i) sTi[(16 * warp + i) * ldt + 16 * warp + lane] = tcol[i];
   }
   __syncthreads();
-  tinv_level<D, 1>(sL, sTi, sX, warp, lane);
-  tinv_level<D, 2>(sL, sTi, sX, warp, lane);
-  tinv_level<D, 3>(sL, sTi, sX, warp, lane);
+  if (warp < 3) {  // column J = warp: T_{J+1,J}, T_{J+2,J}, ... (3, 2 and 1 blocks)
+    for (int I = warp + 1; I < 4; ++I) tinv_block<D>(sL, sTi, sX + warp * 16 * 17, I, warp, lane);
+  }
+  __syncthreads();
   // Tb = T_inv diag(b) 2^-shift_t in fp16; upper blocks of T_inv were never written and are zero in Tb.
   // Each warp holds rows warp + 8k (column pair 2 lane) in registers from the max to the store.
   constexpr int kTbPairs = kChunk * kChunk / 2 / kPrepareThreads;
