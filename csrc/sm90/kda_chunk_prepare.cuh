@@ -49,7 +49,10 @@ struct PrepareSmem {
   // of an mma fragment: rows g, column pairs 2t) are conflict-free (D + 4 had them 2-way).
   static constexpr int kLdF = D + 8;
   static constexpr int kLdH = D + 8;  // 16-bit rows (ldmatrix-friendly padding)
-  static constexpr int kLdT = kChunk + 1;
+  // fp32 64 x 64 (L, T_inv): C + 4 keeps every row 16-byte aligned, so the diagonal substitution
+  // reads its block's rows as float4 without touching the neighbouring block (written concurrently
+  // by another warp in phase 3), and the mma A-fragment reads (rows g, column t) are conflict-free.
+  static constexpr int kLdT = kChunk + 4;
   static constexpr int kLdTb = kChunk + 8;
   static constexpr int kQ = 0;                       // 16-bit q [C][kLdH]
   static constexpr int kK = kQ + kChunk * kLdH * 2;  // 16-bit k [C][kLdH]
@@ -371,27 +374,38 @@ __device__ inline void lk_block_pairwise(const uint16_t* sQ, const uint16_t* sK,
 template <int D>
 __device__ inline void tinv_diag_block(const float* sL, float (&tcol)[16], int I, int cc) {
   constexpr int ldt = PrepareSmem<D>::kLdT;
+  static_assert(ldt % 4 == 0, "rows of L must be 16-byte aligned");
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
+    // Row i of L_II, columns 0 .. i-1, as aligned float4 (explicit, so that no vector read reaches into
+    // block (I, I-1), which another warp may be writing).
+    float l[16];
+    const float4* row = reinterpret_cast<const float4*>(sL + (16 * I + i) * ldt + 16 * I);
+#pragma unroll
+    for (int q = 0; 4 * q < i; ++q) {
+      const float4 x = row[q];
+      l[4 * q] = x.x, l[4 * q + 1] = x.y, l[4 * q + 2] = x.z, l[4 * q + 3] = x.w;
+    }
     float v = (i == cc) ? 1.f : 0.f;
 #pragma unroll
-    for (int j = 0; j < i; ++j) v -= sL[(16 * I + i) * ldt + 16 * I + j] * tcol[j];
+    for (int j = 0; j < i; ++j) v -= l[j] * tcol[j];
     tcol[i] = (i >= cc) ? v : 0.f;
   }
 }
 
-// Off-diagonal block (I, J) of T_inv: X = sum_{M=J}^{I-1} L_IM T_MJ, then T_IJ = -T_II X, both on
-// tf32 tensor cores with fp32 accumulation.  tf32 keeps fp16's 10-bit mantissa, the precision
-// T_inv diag(b) is stored with for the W / U products anyway; the fp32 range keeps any L finite.  X
-// goes through the warp's scratch `xs` to turn from accumulator into operand layout.  One warp walks
-// a column J (I = J+1 .. 3): each T_MJ it reads is the diagonal (stored before the barrier) or one it
-// wrote itself, so the chain needs no block barrier between its steps.
-template <int D>
-__device__ inline void tinv_block(const float* sL, float* sTi, float* xs, int I, int J, int lane) {
+// Off-diagonal block (I, J) = (J + d, J) of T_inv: X = sum_{M=J}^{I-1} L_IM T_MJ, then T_IJ = -T_II X, both
+// on tf32 tensor cores with fp32 accumulation.  tf32 keeps fp16's 10-bit mantissa, the precision T_inv
+// diag(b) is stored with for the W / U products anyway; the fp32 range keeps any L finite.  X goes through
+// the warp's scratch `xs` to turn from accumulator into operand layout.  One warp walks a column J (I = J+1
+// .. 3): each T_MJ it reads is the diagonal (stored before the barrier) or one it wrote itself, so the chain
+// needs no block barrier between its steps.
+template <int D, int d>
+__device__ inline void tinv_block(const float* sL, float* sTi, float* xs, int J, int lane) {
   constexpr int ldt = PrepareSmem<D>::kLdT;
-  const int g = lane >> 2, t = lane & 3;
+  const int g = lane >> 2, t = lane & 3, I = J + d;
   float x[2][4] = {};
-  for (int s = 0; s < 2 * (I - J); ++s) {  // k-steps of 8 over columns 16J .. 16I-1 of L's row block I
+#pragma unroll
+  for (int s = 0; s < 2 * d; ++s) {  // k-steps of 8 over columns 16J .. 16I-1 of L's row block I
     const int k0 = 16 * J + 8 * s;
     const float* lr = sL + (16 * I + g) * ldt + k0 + t;
     const uint32_t af[4] = {tf32_operand(lr[0]), tf32_operand(lr[8 * ldt]), tf32_operand(lr[4]),
@@ -845,7 +859,11 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   }
   __syncthreads();
   if (warp < 3) {  // column J = warp: T_{J+1,J}, T_{J+2,J}, ... (3, 2 and 1 blocks)
-    for (int I = warp + 1; I < 4; ++I) tinv_block<D>(sL, sTi, sX + warp * 16 * 17, I, warp, lane);
+    // Block distance d as a template argument: the k-steps unrolled, all fragment loads in flight.
+    float* xs = sX + warp * 16 * 17;
+    tinv_block<D, 1>(sL, sTi, xs, warp, lane);
+    if (warp < 2) tinv_block<D, 2>(sL, sTi, xs, warp, lane);
+    if (warp < 1) tinv_block<D, 3>(sL, sTi, xs, warp, lane);
   }
   __syncthreads();
   // Tb = T_inv diag(b) 2^-shift_t in fp16; upper blocks of T_inv were never written and are zero in Tb.
