@@ -146,14 +146,6 @@ __device__ inline void load8_f32(const float* p, float (&x)[8]) {
 }
 
 // q and k in shared memory: fp16 (l2-normalised) or bf16 (raw), chosen per call.
-__device__ inline uint32_t pack_qk(float lo, float hi, bool fp16) {
-  if (fp16) {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-  return pack_bf16(lo, hi);
-}
-
 __device__ inline float2 load_qk2(const uint16_t* p, bool fp16) {
   const uint32_t u = *reinterpret_cast<const uint32_t*>(p);
   if (fp16) return __half22float2(*reinterpret_cast<const __half2*>(&u));
@@ -688,8 +680,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     }
     qn2max = fmaxf(qn2max, qk16 ? 1.f : sq);
     kn2max = fmaxf(kn2max, qk16 ? 1.f : sk);
-    if (qk16) {  // x / sqrt(sum x^2 + 1e-6)
-      const float iq = rsqrtf(sq + 1e-6f), ik = rsqrtf(sk + 1e-6f);
+    if (qk16) {                                                              // x / sqrt(sum x^2 + 1e-6)
+      const float iq = fast_rsqrt(sq + 1e-6f), ik = fast_rsqrt(sk + 1e-6f);  // >= 1e-6: a normal number
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         xq[i] *= iq;
@@ -698,17 +690,20 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     }
 #pragma unroll
     for (int i = 0; i < 8; ++i) kmax = fmaxf(kmax, fabsf(xk[i]));
-    uint4 uq, uk;
-    uq.x = pack_qk(xq[0], xq[1], qk16);
-    uq.y = pack_qk(xq[2], xq[3], qk16);
-    uq.z = pack_qk(xq[4], xq[5], qk16);
-    uq.w = pack_qk(xq[6], xq[7], qk16);
-    uk.x = pack_qk(xk[0], xk[1], qk16);
-    uk.y = pack_qk(xk[2], xk[3], qk16);
-    uk.z = pack_qk(xk[4], xk[5], qk16);
-    uk.w = pack_qk(xk[6], xk[7], qk16);
-    *reinterpret_cast<uint4*>(sQ + r * ldh + c8) = uq;
-    *reinterpret_cast<uint4*>(sK + r * ldh + c8) = uk;
+    // Normalised q, k go back as fp16.  Raw ones are the staged bf16 in place already (the same bits),
+    // so only rows past the end are written (zeros).  One pack per pair: a pack chosen per call made
+    // the compiler issue both conversions, predicated.
+    if (qk16) {
+      const uint4 uq = make_uint4(pack_f16(xq[0], xq[1]), pack_f16(xq[2], xq[3]), pack_f16(xq[4], xq[5]),
+                                  pack_f16(xq[6], xq[7]));
+      const uint4 uk = make_uint4(pack_f16(xk[0], xk[1]), pack_f16(xk[2], xk[3]), pack_f16(xk[4], xk[5]),
+                                  pack_f16(xk[6], xk[7]));
+      *reinterpret_cast<uint4*>(sQ + r * ldh + c8) = uq;
+      *reinterpret_cast<uint4*>(sK + r * ldh + c8) = uk;
+    } else if (r >= rows) {
+      *reinterpret_cast<uint4*>(sQ + r * ldh + c8) = make_uint4(0u, 0u, 0u, 0u);
+      *reinterpret_cast<uint4*>(sK + r * ldh + c8) = make_uint4(0u, 0u, 0u, 0u);
+    }
     *reinterpret_cast<float4*>(sG + r * ldf + c8) = make_float4(xg[0], xg[1], xg[2], xg[3]);
     *reinterpret_cast<float4*>(sG + r * ldf + c8 + 4) = make_float4(xg[4], xg[5], xg[6], xg[7]);
     // Staged v is the raw bf16 in place already; rows past the end are zeroed.
@@ -874,12 +869,18 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   {
     float tmax = 0.f;
     const float2 bj = *reinterpret_cast<const float2*>(sB + 2 * lane);
+    // Row warp + 8k, columns 2 lane, 2 lane + 1: one 8-byte read (rows are 16-byte aligned) at a
+    // constant offset from one pointer.
+    const float* trow = sTi + warp * ldt + 2 * lane;
 #pragma unroll
     for (int k = 0; k < kTbPairs; ++k) {
-      const int i = warp + 8 * k, j = 2 * lane;
-      const bool lower = (j / 16) <= (i / 16);
-      tbv[k] =
-          lower ? make_float2(sTi[i * ldt + j] * bj.x, sTi[i * ldt + j + 1] * bj.y) : make_float2(0.f, 0.f);
+      const bool lower = (lane / 8) <= ((warp + 8 * k) / 16);  // column block <= row block
+      if (lower) {
+        const float2 x = *reinterpret_cast<const float2*>(trow + 8 * k * ldt);
+        tbv[k] = make_float2(x.x * bj.x, x.y * bj.y);
+      } else {
+        tbv[k] = make_float2(0.f, 0.f);
+      }
       tmax = fmaxf(tmax, fmaxf(fabsf(tbv[k].x), fabsf(tbv[k].y)));
     }
 #pragma unroll
@@ -919,12 +920,13 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
         mma_f16(acc[2 * p + 1], af, bf[2], bf[3]);
       }
     }
+    // One row pointer, constant offsets from it: per-store int index math became a 64-bit
+    // IADD3 / LEA / LEA.HI.X triple for each of the 8 stores.
+    bf16* wrow = rW + (16 * I + g) * D + 32 * ng + 2 * t;
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
-      const int col = 32 * ng + 8 * nt + 2 * t;
-      *reinterpret_cast<uint32_t*>(rW + (16 * I + g) * D + col) =
-          pack_bf16(acc[nt][0] * w_unscale, acc[nt][1] * w_unscale);
-      *reinterpret_cast<uint32_t*>(rW + (16 * I + g + 8) * D + col) =
+      *reinterpret_cast<uint32_t*>(wrow + 8 * nt) = pack_bf16(acc[nt][0] * w_unscale, acc[nt][1] * w_unscale);
+      *reinterpret_cast<uint32_t*>(wrow + 8 * D + 8 * nt) =
           pack_bf16(acc[nt][2] * w_unscale, acc[nt][3] * w_unscale);
     }
   };
