@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# A/B of prefill kernel variants in one device call, timed in alternating rounds so that the machine's
+# drift (copy bandwidth moved 4.06-4.21 TB/s between calls of one session) falls on every variant alike.
+#
+# Variants are overlay folders under ab/ (untracked: they travel with the tree to the device), each
+# mirroring repository paths, e.g. ab/old_walk/csrc/sm90/kda_state_recurrence.cuh; make one from a
+# commit with scripts/ab_overlay.sh.  "base" is the tree itself.  Each variant is built from its own
+# copy of the tree into its own --target folder, then bench/bench_prefill.py (ours only) runs once per
+# variant per round in a fresh process (two builds of the extension cannot share one process).
+#   VARIANTS="old_walk" CASES=0,3 ROUNDS=3 ITERS=30 bash scripts/ab_prefill.sh
+# Output: $OUT/ab.log, $OUT/ab_<variant>_r<round>.json, $OUT/ab_summary.md (medians over rounds, per
+# kernel, and each variant against base).  Cost: ~30 s of build per variant, ~10 s per run and case.
+set -uo pipefail
+OUT=${OUT:-/tmp/flashkda_out}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/ab.log") 2>&1
+export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16}
+VARIANTS=${VARIANTS:-$(ls ab 2>/dev/null | tr '\n' ' ')}
+CASES=${CASES:-0,3}
+ROUNDS=${ROUNDS:-3}
+ITERS=${ITERS:-30}
+names="base $VARIANTS"
+echo "variants: $names; cases $CASES; $ROUNDS rounds of $ITERS graph replays"
+t0=$(date +%s)
+for v in $names; do
+  if [ "$v" != base ] && [ ! -d "ab/$v" ]; then echo "no overlay folder ab/$v"; exit 2; fi
+  src=/tmp/ab_src/$v
+  rm -rf "$src" "/tmp/ab_site/$v" && mkdir -p "$src"
+  tar --exclude=./ab --exclude=./build --exclude=./.cache --exclude=./.whl -cf - . | tar -xf - -C "$src"
+  if [ "$v" != base ]; then cp -r "ab/$v/." "$src/"; fi
+  if ! (cd "$src" && python3 -m pip install -q --no-build-isolation --no-deps --target "/tmp/ab_site/$v" . \
+        > "/tmp/ab_build_$v.log" 2>&1); then
+    echo "build of $v failed:"; tail -40 "/tmp/ab_build_$v.log"; exit 1
+  fi
+  echo "built $v: $(( $(date +%s) - t0 )) s"
+done
+for r in $(seq 1 "$ROUNDS"); do
+  for v in $names; do
+    if ! PYTHONPATH="/tmp/ab_site/$v${PYTHONPATH:+:$PYTHONPATH}" python3 bench/bench_prefill.py --no-fla \
+        --no-variants --cases "$CASES" --iters "$ITERS" --json "$OUT/ab_${v}_r$r.json" > /tmp/ab_run.log 2>&1; then
+      echo "run $v round $r failed:"; tail -20 /tmp/ab_run.log
+    fi
+    grep -E "^\S.* ours " /tmp/ab_run.log | sed "s/^/[$v r$r] /"
+  done
+done
+if ls "$OUT"/ab_*_r*.json > /dev/null 2>&1; then
+  python3 scripts/ab_summary.py "$OUT"/ab_*_r*.json | tee "$OUT/ab_summary.md"
+else
+  echo "no timed runs (no GPU, or ROUNDS=0)"
+fi
+echo "total: $(( $(date +%s) - t0 )) s"

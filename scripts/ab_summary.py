@@ -1,0 +1,58 @@
+"""Summarise scripts/ab_prefill.sh runs: per case and variant, the median over rounds of the call time
+and of each kernel's time, and each variant against "base" (negative = faster than base).
+
+    python3 scripts/ab_summary.py out/ab_*_r*.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import statistics
+import sys
+
+
+def load(paths):
+    """{case: {variant: [row, ...]}} from files named ab_<variant>_r<round>.json."""
+    runs = collections.defaultdict(lambda: collections.defaultdict(list))
+    for p in paths:
+        m = re.match(r"ab_(.+)_r(\d+)\.json$", os.path.basename(p))
+        if not m:
+            raise SystemExit(f"{p}: expected a name ab_<variant>_r<round>.json")
+        with open(p) as f:
+            for row in json.load(f)["prefill"]:
+                runs[row["case"]][m.group(1)].append(row)
+    return runs
+
+
+def summarise(runs):
+    lines = ["| case | variant | rounds | call (us) | vs base | per kernel (us) |", "|---|---|---|---|---|---|"]
+    for case, by_var in runs.items():
+        base = statistics.median(r["ours_us"] for r in by_var["base"]) if "base" in by_var else None
+        for var in sorted(by_var, key=lambda v: (v != "base", v)):
+            rows = by_var[var]
+            call = statistics.median(r["ours_us"] for r in rows)
+            kernels = collections.defaultdict(list)
+            for r in rows:
+                for k, t in r["ours_kernels_us"].items():
+                    kernels[k].append(t)
+            per_kernel = ", ".join(f"{k.replace('void flashkda::sm90::', '').strip()} {statistics.median(v):.1f}"
+                                   for k, v in kernels.items())
+            delta = f"{100.0 * (call / base - 1.0):+.2f}%" if base and var != "base" else "-"
+            lines.append(f"| {case} | {var} | {len(rows)} | {call:.1f} | {delta} | {per_kernel} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("json", nargs="+")
+    args = ap.parse_args(argv)
+    print(summarise(load(args.json)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""scripts/ab_summary.py: medians over rounds and the change against base (CPU only)."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "ab_summary.py")
+_spec = importlib.util.spec_from_file_location("ab_summary", _PATH)
+ab_summary = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ab_summary)
+
+
+def _write(tmp_path, variant, rnd, call_us, prep_us):
+    row = {"case": "8x2048, H16", "ours_us": call_us,
+           "ours_kernels_us": {"void flashkda::sm90::chunk_prepare_kernel": prep_us}}
+    p = tmp_path / f"ab_{variant}_r{rnd}.json"
+    p.write_text(json.dumps({"prefill": [row]}))
+    return str(p)
+
+
+def test_medians_and_delta_against_base(tmp_path):
+    paths = [_write(tmp_path, "base", 1, 100.0, 70.0), _write(tmp_path, "base", 2, 104.0, 72.0),
+             _write(tmp_path, "base", 3, 102.0, 71.0), _write(tmp_path, "new_walk", 1, 97.0, 69.0),
+             _write(tmp_path, "new_walk", 2, 95.0, 68.0), _write(tmp_path, "new_walk", 3, 99.0, 70.0)]
+    table = ab_summary.summarise(ab_summary.load(paths))
+    lines = table.splitlines()
+    base = next(l for l in lines if "| base |" in l)
+    new = next(l for l in lines if "| new_walk |" in l)
+    assert "| 3 | 102.0 | - |" in base and "chunk_prepare_kernel 71.0" in base
+    assert "| 3 | 97.0 | -4.90% |" in new and "chunk_prepare_kernel 69.0" in new
+    assert lines.index(base) < lines.index(new)  # base first
+
+
+def test_rejects_unnamed_files(tmp_path):
+    p = tmp_path / "bench.json"
+    p.write_text(json.dumps({"prefill": []}))
+    with pytest.raises(SystemExit):
+        ab_summary.load([str(p)])
