@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Writes the overlay folder ab/<name>/ for scripts/ab_prefill.sh: the version at <ref> of every file
+# Writes the overlay folder ab/<name>/ for scripts/ab_bench.sh: the version at <ref> of every file
 # under csrc/, src/ and include/ that differs between HEAD and <ref> (files absent at <ref> are not
 # handled: an overlay only adds or replaces).  Run here, before the device call; ab/ is not committed.
 #   bash scripts/ab_overlay.sh 718c8ad old_prepare     # the tree = new, ab/old_prepare = 718c8ad's kernels

@@ -1,4 +1,4 @@
-"""Summarise scripts/ab_prefill.sh runs: per case and variant, the median over rounds of the call time
+"""Summarise scripts/ab_bench.sh runs: per case and variant, the median over rounds of the call time
 and of each kernel's time, and each variant against "base" (negative = faster than base).
 
     python3 scripts/ab_summary.py out/ab_*_r*.json
@@ -23,7 +23,8 @@ def load(paths):
         if not m:
             raise SystemExit(f"{p}: expected a name ab_<variant>_r<round>.json")
         with open(p) as f:
-            for row in json.load(f)["prefill"]:
+            d = json.load(f)
+            for row in d.get("prefill", []) + d.get("decode", []):
                 runs[row["case"]][m.group(1)].append(row)
     return runs
 

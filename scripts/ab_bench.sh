@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# A/B of prefill kernel variants in one device call, timed in alternating rounds so that the machine's
+# A/B of kernel variants in one device call, timed in alternating rounds so that the machine's
 # drift (copy bandwidth moved 4.06-4.21 TB/s between calls of one session) falls on every variant alike.
 #
 # Variants are overlay folders under ab/ (untracked: they travel with the tree to the device), each
 # mirroring repository paths, e.g. ab/old_walk/csrc/sm90/kda_state_recurrence.cuh; make one from a
 # commit with scripts/ab_overlay.sh.  "base" is the tree itself.  Each variant is built from its own
-# copy of the tree into its own --target folder, then bench/bench_prefill.py (ours only) runs once per
-# variant per round in a fresh process (two builds of the extension cannot share one process).
-#   VARIANTS="old_walk" CASES=0,3 ROUNDS=3 ITERS=30 bash scripts/ab_prefill.sh
+# copy of the tree into its own --target folder, then bench/bench_prefill.py or bench/bench_decode.py
+# (BENCH=prefill | decode; ours only) runs once per variant per round in a fresh process (two builds
+# of the extension cannot share one process).  CASES are the benchmark's own --cases.
+#   VARIANTS="old_walk" CASES=0,3 ROUNDS=3 ITERS=30 bash scripts/ab_bench.sh
+#   BENCH=decode VARIANTS="old_decode" CASES=... ROUNDS=3 bash scripts/ab_bench.sh
 # Output: $OUT/ab.log, $OUT/ab_<variant>_r<round>.json, $OUT/ab_summary.md (medians over rounds, per
 # kernel, and each variant against base).  Cost: ~30 s of build per variant, ~10 s per run and case.
 set -uo pipefail
@@ -16,11 +18,12 @@ mkdir -p "$OUT"
 exec > >(tee -a "$OUT/ab.log") 2>&1
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16}
 VARIANTS=${VARIANTS:-$(ls ab 2>/dev/null | tr '\n' ' ')}
-CASES=${CASES:-0,3}
+BENCH=${BENCH:-prefill}
+CASES=${CASES:-$([ "$BENCH" = prefill ] && echo 0,3)}
 ROUNDS=${ROUNDS:-3}
 ITERS=${ITERS:-30}
 names="base $VARIANTS"
-echo "variants: $names; cases $CASES; $ROUNDS rounds of $ITERS graph replays"
+echo "$BENCH variants: $names; cases ${CASES:-all}; $ROUNDS rounds of $ITERS graph replays"
 t0=$(date +%s)
 for v in $names; do
   if [ "$v" != base ] && [ ! -d "ab/$v" ]; then echo "no overlay folder ab/$v"; exit 2; fi
@@ -36,11 +39,16 @@ for v in $names; do
 done
 for r in $(seq 1 "$ROUNDS"); do
   for v in $names; do
-    if ! PYTHONPATH="/tmp/ab_site/$v${PYTHONPATH:+:$PYTHONPATH}" python3 bench/bench_prefill.py --no-fla \
-        --no-variants --cases "$CASES" --iters "$ITERS" --json "$OUT/ab_${v}_r$r.json" > /tmp/ab_run.log 2>&1; then
+    if [ "$BENCH" = prefill ]; then
+      cmd=(bench/bench_prefill.py --no-fla --no-variants --iters "$ITERS" ${CASES:+--cases "$CASES"})
+    else
+      cmd=(bench/bench_decode.py --no-fla --no-cold --iters "$ITERS" ${CASES:+--cases "$CASES"})
+    fi
+    if ! PYTHONPATH="/tmp/ab_site/$v${PYTHONPATH:+:$PYTHONPATH}" python3 "${cmd[@]}" --json "$OUT/ab_${v}_r$r.json" \
+        > /tmp/ab_run.log 2>&1; then
       echo "run $v round $r failed:"; tail -20 /tmp/ab_run.log
     fi
-    grep -E "^\S.* ours " /tmp/ab_run.log | sed "s/^/[$v r$r] /"
+    grep -E "ours" /tmp/ab_run.log | grep -v "per kernel" | sed "s/^/[$v r$r] /"
   done
 done
 if ls "$OUT"/ab_*_r*.json > /dev/null 2>&1; then
