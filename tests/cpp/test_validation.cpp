@@ -640,7 +640,8 @@ TEST(WorkspaceSize, ReservesTheSegmentAreaForFewSequencesTimesHeads) {
   const size_t records_64 = flashkda::workspace_size(16384, 64, 1) - flashkda::workspace_size(0, 64, 1);
   EXPECT_EQ(records_16, (16384 / 64) * 16 * (4 * 64 * 128 * 2 + 64 * 64 * 2 + 128 * 4 + 128) +
                             (16384 / 2048) * 16 * per_slot_head);
-  EXPECT_EQ(records_64, (16384 / 64) * 64 * static_cast<size_t>(4 * 64 * 128 * 2 + 64 * 64 * 2 + 128 * 4 + 128));
+  EXPECT_EQ(records_64,
+            (16384 / 64) * 64 * static_cast<size_t>(4 * 64 * 128 * 2 + 64 * 64 * 2 + 128 * 4 + 128));
   // N beyond 32 / H adds records only.
   EXPECT_EQ(flashkda::workspace_size(0, 16, 3) - flashkda::workspace_size(0, 16, 2),
             16 * static_cast<size_t>(4 * 64 * 128 * 2 + 64 * 64 * 2 + 128 * 4 + 128));
