@@ -139,6 +139,11 @@ __device__ inline void store8_bf16(bf16* p, const float (&x)[8]) {
   *reinterpret_cast<uint4*>(p) = u;
 }
 
+// 8 floats as 8 fp16 (round to nearest), for one 16-byte store.
+__device__ inline uint4 pack8_f16(const float (&x)[8]) {
+  return make_uint4(pack_f16(x[0], x[1]), pack_f16(x[2], x[3]), pack_f16(x[4], x[5]), pack_f16(x[6], x[7]));
+}
+
 // 8 consecutive fp32 values (16-byte aligned) as two 16-byte loads.
 __device__ inline void load8_f32(const float* p, float (&x)[8]) {
   const float4 u0 = *reinterpret_cast<const float4*>(p), u1 = *reinterpret_cast<const float4*>(p + 4);
@@ -694,12 +699,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     // so only rows past the end are written (zeros).  One pack per pair: a pack chosen per call made
     // the compiler issue both conversions, predicated.
     if (qk16) {
-      const uint4 uq = make_uint4(pack_f16(xq[0], xq[1]), pack_f16(xq[2], xq[3]), pack_f16(xq[4], xq[5]),
-                                  pack_f16(xq[6], xq[7]));
-      const uint4 uk = make_uint4(pack_f16(xk[0], xk[1]), pack_f16(xk[2], xk[3]), pack_f16(xk[4], xk[5]),
-                                  pack_f16(xk[6], xk[7]));
-      *reinterpret_cast<uint4*>(sQ + r * ldh + c8) = uq;
-      *reinterpret_cast<uint4*>(sK + r * ldh + c8) = uk;
+      *reinterpret_cast<uint4*>(sQ + r * ldh + c8) = pack8_f16(xq);
+      *reinterpret_cast<uint4*>(sK + r * ldh + c8) = pack8_f16(xk);
     } else if (r >= rows) {
       *reinterpret_cast<uint4*>(sQ + r * ldh + c8) = make_uint4(0u, 0u, 0u, 0u);
       *reinterpret_cast<uint4*>(sK + r * ldh + c8) = make_uint4(0u, 0u, 0u, 0u);
@@ -793,12 +794,9 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
         xv[i] *= sv;
       }
       store8_bf16(rQT + r * D + c8, xq);
-      *reinterpret_cast<uint4*>(rKD + r * D + c8) = make_uint4(
-          pack_f16(xd[0], xd[1]), pack_f16(xd[2], xd[3]), pack_f16(xd[4], xd[5]), pack_f16(xd[6], xd[7]));
-      ktv[pass] = make_uint4(pack_f16(xk[0], xk[1]), pack_f16(xk[2], xk[3]), pack_f16(xk[4], xk[5]),
-                             pack_f16(xk[6], xk[7]));
-      *reinterpret_cast<uint4*>(sV + r * ldh + c8) = make_uint4(
-          pack_f16(xv[0], xv[1]), pack_f16(xv[2], xv[3]), pack_f16(xv[4], xv[5]), pack_f16(xv[6], xv[7]));
+      *reinterpret_cast<uint4*>(rKD + r * D + c8) = pack8_f16(xd);
+      ktv[pass] = pack8_f16(xk);
+      *reinterpret_cast<uint4*>(sV + r * ldh + c8) = pack8_f16(xv);
     }
   };
   if (qk16) {
