@@ -1,28 +1,33 @@
 // state_recurrence: the sequential part of the chunked KDA prefill.
 //
-// Grid: (N sequences, H heads, V / (16 NW) state slices).  Block: NW warps; warp w owns state rows
-// v in [v0 + 16w, v0 + 16w + 16) as fp32 mma accumulators in registers (16 x D per warp), so warps
-// never exchange state.  Per chunk, with the chunk record of chunk_prepare in shared memory:
-//   VnT = UT - S W^T            (16 x C per warp; S enters as the A operand straight from registers)
-//   OT  = S QT^T + VnT MQK^T    (16 x C)
-//   S   = S diag(gamma) + VnT KD  (16 x D)
-// The record of chunk c+1 streams in with cp.async while chunk c is computed (2 stages).  The output
-// tile goes through shared memory so that global stores are 16-byte rows.
-// Shared memory (D = 128, NW = 8): 2 stages x (W, QT, KD 3 x 17 KB + MQK 9 KB + UT 18 KB + gamma)
-// + output tile 17 KB: about 174 KB.
+// Grid: (N sequences, H heads, V / (16 NW) state slices).  Block: NW warps (1 or 2 warpgroups);
+// warp w owns state rows v in [v0 + 16w, v0 + 16w + 16) as fp32 accumulators in registers (16 x D
+// per warp, the wgmma accumulator layout), so warps never exchange state.  Per chunk, with the chunk
+// record of chunk_prepare in shared memory, each warpgroup runs on its 64 rows (sm_90a wgmma, A
+// from registers, B from the record's SW128 tiles, kda_wgmma.cuh):
+//   VnT = UT - S W^T            (64 x C: 8 m64n64k16, bf16)
+//   OT  = S QT^T + VnT MQK^T    (64 x C: 8 + 4 m64n64k16, bf16 / fp16)
+//   S   = S diag(gamma) + VnT KD  (64 x D: 4 m64n128k16, fp16, KD N-major)
+// With mma.sync each warp loaded every B fragment itself (8 warps x ~56 KB of ldmatrix a chunk);
+// wgmma reads each tile once per warpgroup.  The record of chunk c+1 streams in with cp.async while
+// chunk c is computed (2 stages).  The output tile goes through shared memory so that global stores
+// are 16-byte rows.
+// Shared memory (D = 128, NW = 8): 2 stages x (W, QT, KD 3 x 16 KB + MQK 8 KB + UT 18 KB + gamma,
+// rounded to 1 KB) + output tile 17 KB + 1 KB alignment: 169 KB.
 //
 // Modes (context parallelism, kda_segment_scan.cuh): kWhole walks whole sequences (grid.x = N).
 // kSegmentMap walks one segment of a sequence (grid.x = N max_segs) from S = 0 and from S = I at
 // once: the grid's z covers 2D rows, rows [0, D) are L (the state rows, UT as usual) and rows
 // [D, 2D) are A (UT = 0, starting from the identity), which are the affine map S_end = S_start A + L
 // of the segment, written to the workspace.  No output: QT, MQK and the output tile are not loaded
-// (2 stages x 44 KB at NW = 4, two blocks per SM).  kSegmentApply walks one segment from the start
+// (2 stages x 42 KB at NW = 4, two blocks per SM).  kSegmentApply walks one segment from the start
 // state segment_scan wrote, writes the outputs, and the final state from the last segment.
 #pragma once
 
 #include <cuda_fp16.h>
 
 #include "sm90/kda_common.cuh"
+#include "sm90/kda_wgmma.cuh"
 
 namespace flashkda {
 namespace sm90 {
@@ -32,20 +37,22 @@ enum class RecurrenceMode : int { kWhole = 0, kSegmentMap = 1, kSegmentApply = 2
 template <int D, int NW, bool kMap = false>
 struct RecurrenceSmem {
   static constexpr int kVs = 16 * NW;  // state rows per block
-  static constexpr int kLdH = D + 8;
   static constexpr int kLdC = kChunk + 8;
   static constexpr int kLdO = kVs + 8;
+  // W, QT, KD (C x D) and MQK (C x C): SW128 tiles (kda_wgmma.cuh), the B operands of the wgmma.
+  static constexpr int kTile = kChunk * D * 2;
   static constexpr int kW = 0;
-  static constexpr int kQT = kW + kChunk * kLdH * 2;
-  static constexpr int kKD = kQT + (kMap ? 0 : kChunk * kLdH * 2);
-  static constexpr int kMQK = kKD + kChunk * kLdH * 2;
-  static constexpr int kUT = kMQK + (kMap ? 0 : kChunk * kLdC * 2);
+  static constexpr int kQT = kW + kTile;
+  static constexpr int kKD = kQT + (kMap ? 0 : kTile);
+  static constexpr int kMQK = kKD + kTile;
+  static constexpr int kUT = kMQK + (kMap ? 0 : kChunk * kChunk * 2);
   static constexpr int kGamma = kUT + kVs * kLdC * 2;
-  static constexpr int kShift = kGamma + D * 4;  // UT shift (int32), padded to 16 bytes
-  static constexpr int kStage = kShift + 16;
+  static constexpr int kShift = kGamma + D * 4;                      // UT shift (int32), padded to 16 bytes
+  static constexpr int kStage = (kShift + 16 + 1023) / 1024 * 1024;  // SW128 tiles stay 1024-aligned
   static constexpr int kOut = 2 * kStage;
-  static constexpr int kBytes = kOut + (kMap ? 0 : kChunk * kLdO * 2);
-  static_assert(kStage % 16 == 0, "stage alignment");
+  // + 1024: the kernel aligns the dynamic shared memory base up to 1024 bytes.
+  static constexpr int kBytes = kOut + (kMap ? 0 : kChunk * kLdO * 2) + 1024;
+  static_assert(kTile % 1024 == 0 && kMQK % 1024 == 0, "SW128 tiles must be 1024-byte aligned");
 };
 
 // Copies the parts of one chunk record this block needs into a stage (cp.async, not committed).
@@ -59,15 +66,15 @@ __device__ inline void load_record_async(const char* rec, unsigned char* stage, 
   constexpr int kRowVec = D / 8;  // 16-byte pieces per D row
   for (int e = tid; e < kChunk * kRowVec; e += kThreads) {
     const int r = e / kRowVec, c8 = (e % kRowVec) * 8;
-    cp_async_16(stage + SM::kW + (r * SM::kLdH + c8) * 2, rec + R::kW + (r * D + c8) * 2);
-    if constexpr (!kMap)
-      cp_async_16(stage + SM::kQT + (r * SM::kLdH + c8) * 2, rec + R::kQT + (r * D + c8) * 2);
-    cp_async_16(stage + SM::kKD + (r * SM::kLdH + c8) * 2, rec + R::kKD + (r * D + c8) * 2);
+    const int t = sw128_offset<kChunk>(r, c8);
+    cp_async_16(stage + SM::kW + t, rec + R::kW + (r * D + c8) * 2);
+    if constexpr (!kMap) cp_async_16(stage + SM::kQT + t, rec + R::kQT + (r * D + c8) * 2);
+    cp_async_16(stage + SM::kKD + t, rec + R::kKD + (r * D + c8) * 2);
   }
   if constexpr (!kMap) {
     for (int e = tid; e < kChunk * 8; e += kThreads) {
       const int r = e / 8, c8 = (e % 8) * 8;
-      cp_async_16(stage + SM::kMQK + (r * SM::kLdC + c8) * 2, rec + R::kMQK + (r * kChunk + c8) * 2);
+      cp_async_16(stage + SM::kMQK + sw128_offset<kChunk>(r, c8), rec + R::kMQK + (r * kChunk + c8) * 2);
     }
   }
   if (load_ut) {
@@ -85,12 +92,14 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
     state_recurrence_kernel(const PrefillArgs a) {
   static_assert(D == 64 || D == 128, "head dim");
   static_assert(16 * NW <= D && D % (16 * NW) == 0, "state slices must tile V");
+  static_assert(NW % 4 == 0, "whole warpgroups: each owns 64 state rows of the wgmma");
   constexpr bool kMap = kMode == RecurrenceMode::kSegmentMap;
   constexpr bool kWhole = kMode == RecurrenceMode::kWhole;
   using SM = RecurrenceSmem<D, NW, kMap>;
   constexpr int kThreads = 32 * NW;
   constexpr int NT = D / 8;  // n-tiles of a state row block
-  extern __shared__ __align__(128) unsigned char smem[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
   bf16* sOut = reinterpret_cast<bf16*>(smem + SM::kOut);
 
   if (*reinterpret_cast<volatile int*>(a.error_word) != 0) return;  // bad indices: write nothing
@@ -266,21 +275,20 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
     } else {
       cp_async_wait<0>();
     }
+    fence_proxy_async_smem();  // the stage's cp.async writes, before the wgmma (async proxy) reads
     __syncthreads();
     if (h0_bf16_pending) {  // first chunk only (uniform)
       h0_bf16_convert();
       h0_bf16_pending = false;
     }
-    const bf16* sW = reinterpret_cast<const bf16*>(stage + SM::kW);
-    const bf16* sQT = reinterpret_cast<const bf16*>(stage + SM::kQT);
-    const bf16* sKD = reinterpret_cast<const bf16*>(stage + SM::kKD);
-    const bf16* sMQK = reinterpret_cast<const bf16*>(stage + SM::kMQK);
-    const bf16* sUT = reinterpret_cast<const bf16*>(stage + SM::kUT);
     const float* sGamma = reinterpret_cast<const float*>(stage + SM::kGamma);
+    const bf16* sUT = reinterpret_cast<const bf16*>(stage + SM::kUT);
     const int* shifts = reinterpret_cast<const int*>(stage + SM::kShift);  // UT, MQK, KD
     const float ut_scale = pow2i(shifts[0]);
+    const uint32_t st = smem_addr(stage);
 
-    // VnT = UT - S W^T and OT = S QT^T share the A operand (the state, as bf16).
+    // VnT = UT - S W^T and OT = S QT^T share the A operand (the state, as bf16, from registers;
+    // -S by the instruction's scale-a).  Each warpgroup multiplies its 64 rows by the whole tile.
     float vn[8][4], o[8][4];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -299,29 +307,25 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
       }
       o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
     }
+    uint32_t sa[D / 16][4];
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
-      uint32_t sa[4], sn[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const float* e = &s[2 * ks + (i >> 1)][2 * (i & 1)];
-        sa[i] = pack_bf16(e[0], e[1]);
-        sn[i] = sa[i] ^ 0x80008000u;  // -S, exactly
-      }
-#pragma unroll
-      for (int p = 0; p < 4; ++p) {
-        uint32_t bw[4];
-        load_b_frag_nk(bw, sW, SM::kLdH, 16 * p, 16 * ks, lane);
-        mma_bf16(vn[2 * p], sn, bw[0], bw[1]);
-        mma_bf16(vn[2 * p + 1], sn, bw[2], bw[3]);
-        if constexpr (!kMap) {
-          uint32_t bq[4];
-          load_b_frag_nk(bq, sQT, SM::kLdH, 16 * p, 16 * ks, lane);
-          mma_bf16(o[2 * p], sa, bq[0], bq[1]);
-          mma_bf16(o[2 * p + 1], sa, bq[2], bq[3]);
-        }
+        sa[ks][i] = pack_bf16(e[0], e[1]);
       }
     }
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {  // K-major B: a k16 step is 32 bytes, a half 64 columns
+      const uint32_t koff = (ks >> 2) * (kChunk * 128) + (ks & 3) * 32;
+      wgmma_m64n64k16_bf16_rs<-1, 0>(vn, sa[ks], sw128_desc(st + SM::kW + koff, 16, 1024));
+      if constexpr (!kMap)
+        wgmma_m64n64k16_bf16_rs<1, 0>(o, sa[ks], sw128_desc(st + SM::kQT + koff, 16, 1024));
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
     // VnT enters the two remaining products as an fp16 A operand, shifted by a power of two (per
     // warp and chunk) so that |VnT'| < 2^14; MQK and KD come shifted from the record.  The fp32
     // accumulators are rescaled around those products, exactly.
@@ -343,29 +347,13 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
       va[ks][2] = pack_f16(vn[2 * ks + 1][0] * vn_down, vn[2 * ks + 1][1] * vn_down);
       va[ks][3] = pack_f16(vn[2 * ks + 1][2] * vn_down, vn[2 * ks + 1][3] * vn_down);
     }
-    // OT += VnT MQK^T; MQK is lower triangular, so token block p only needs k-steps ks <= p.
+    const int o_shift = shift_n + shifts[1];
+    const float o_down = pow2i(-o_shift), o_up = pow2i(o_shift);
     if constexpr (!kMap) {
-      const int o_shift = shift_n + shifts[1];
-      const float o_down = pow2i(-o_shift), o_up = pow2i(o_shift);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) o[j][e] *= o_down;
-      }
-#pragma unroll
-      for (int p = 0; p < 4; ++p) {
-#pragma unroll
-        for (int ks = 0; ks <= p; ++ks) {
-          uint32_t bm[4];
-          load_b_frag_nk(bm, sMQK, SM::kLdC, 16 * p, 16 * ks, lane);
-          mma_f16(o[2 * p], va[ks], bm[0], bm[1]);
-          mma_f16(o[2 * p + 1], va[ks], bm[2], bm[3]);
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[j][e] *= o_up;
       }
     }
     // S = S diag(gamma) + VnT KD.
@@ -380,14 +368,27 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
       s[j][2] *= g0;
       s[j][3] *= g1;
     }
+    // OT += VnT MQK^T (MQK K-major: rows are tokens; its upper blocks are zero in the record) and
+    // S += VnT KD (KD N-major: rows are the k16 steps' tokens, 2048 bytes a step, halves LBO apart).
+    wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
+      if constexpr (!kMap)
+        wgmma_m64n64k16_f16_rs<1, 0>(o, va[ks], sw128_desc(st + SM::kMQK + ks * 32, 16, 1024));
+      const uint64_t dk = sw128_desc(st + SM::kKD + ks * 2048, kChunk * 128, 1024);
+      if constexpr (D == 128) {
+        wgmma_m64n128k16_f16_rs<1, 1>(s, va[ks], dk);
+      } else {
+        wgmma_m64n64k16_f16_rs<1, 1>(s, va[ks], dk);
+      }
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    if constexpr (!kMap) {
 #pragma unroll
-      for (int p = 0; p < D / 16; ++p) {
-        uint32_t bk[4];
-        load_b_frag_kn(bk, sKD, SM::kLdH, 16 * p, 16 * ks, lane);
-        mma_f16(s[2 * p], va[ks], bk[0], bk[1]);
-        mma_f16(s[2 * p + 1], va[ks], bk[2], bk[3]);
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[j][e] *= o_up;
       }
     }
 #pragma unroll
