@@ -51,7 +51,8 @@ struct RecurrenceSmem {
   static constexpr int kStage = (kShift + 16 + 1023) / 1024 * 1024;  // SW128 tiles stay 1024-aligned
   static constexpr int kOut = 2 * kStage;
   // + 1024: the kernel aligns the dynamic shared memory base up to 1024 bytes.
-  static constexpr int kBytes = kOut + (kMap ? 0 : kChunk * kLdO * 2) + 1024;
+  static constexpr int kOutTile = kChunk * kLdO * 2;  // two: chunk c's tile is stored during chunk c + 1
+  static constexpr int kBytes = kOut + (kMap ? 0 : 2 * kOutTile) + 1024;
   static_assert(kTile % 1024 == 0 && kMQK % 1024 == 0, "SW128 tiles must be 1024-byte aligned");
 };
 
@@ -100,7 +101,7 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
   constexpr int NT = D / 8;  // n-tiles of a state row block
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
-  bf16* sOut = reinterpret_cast<bf16*>(smem + SM::kOut);
+  auto out_tile = [&](int c) { return reinterpret_cast<bf16*>(smem + SM::kOut + (c & 1) * SM::kOutTile); };
 
   if (*reinterpret_cast<volatile int*>(a.error_word) != 0) return;  // bad indices: write nothing
 
@@ -262,21 +263,39 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
     }
   };
 
+  // Global stores of chunk c's output tile (16-byte rows), from its shared-memory tile.
+  auto store_out_tile = [&](int c) {
+    const bf16* sOut = out_tile(c);
+    const int rows = (sp.len - c * kChunk < kChunk) ? static_cast<int>(sp.len - c * kChunk) : kChunk;
+    constexpr int kVec = SM::kVs / 8;
+    for (int e = tid; e < rows * kVec; e += kThreads) {
+      const int r = e / kVec, c8 = (e % kVec) * 8;
+      const int64_t tok = mapped_row(a, sp.bos + c * kChunk + r);
+      bf16* dst = a.out + sp.batch * a.out_sb + tok * a.out_st + h * D + v0 + c8;
+      const bf16* src = sOut + r * SM::kLdO + c8;
+      if (a.vec_out) {
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+      } else {
+        for (int i = 0; i < 8; ++i) dst[i] = src[i];
+      }
+    }
+  };
+
   for (int c = c_begin; c < c_end; ++c) {
     if constexpr (kWhole) {
       if (a.ckpt_offsets != nullptr) write_checkpoints(c);
     }
     unsigned char* stage = smem + (c & 1) * SM::kStage;
+    cp_async_wait<0>();        // chunk c's record (issued during chunk c - 1)
+    fence_proxy_async_smem();  // the stage's cp.async writes, before the wgmma (async proxy) reads
+    // The one block barrier of a chunk: chunk c's record is visible, and every warp is done with
+    // chunk c - 1 (its stage, which the next copy overwrites, and the out tile stored below).
+    __syncthreads();
     if (c + 1 < c_end) {
       load_record_async<D, NW, kMap>(rec_base + (c + 1) * rec_stride, smem + ((c + 1) & 1) * SM::kStage, v0,
                                      tid, !a_rows);
       cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
     }
-    fence_proxy_async_smem();  // the stage's cp.async writes, before the wgmma (async proxy) reads
-    __syncthreads();
     if (h0_bf16_pending) {  // first chunk only (uniform)
       h0_bf16_convert();
       h0_bf16_pending = false;
@@ -325,6 +344,9 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
         wgmma_m64n64k16_bf16_rs<1, 0>(o, sa[ks], sw128_desc(st + SM::kQT + koff, 16, 1024));
     }
     wgmma_commit();
+    if constexpr (!kMap) {
+      if (c > c_begin) store_out_tile(c - 1);  // overlaps the wgmma batch
+    }
     wgmma_wait<0>();
     // VnT enters the two remaining products as an fp16 A operand, shifted by a power of two (per
     // warp and chunk) so that |VnT'| < 2^14; MQK and KD come shifted from the record.  The fp32
@@ -396,10 +418,10 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[j][e] *= s_up;
     }
-    if constexpr (kMap) {
-      __syncthreads();  // every warp is done with this stage before the next chunk's copy into it
-    } else {
-      // Output tile OT (rows v, columns token) -> sOut[token][v].
+    if constexpr (!kMap) {
+      // Output tile OT (rows v, columns token) -> sOut[token][v]; stored to global memory during the
+      // next chunk (after its top barrier, while its first wgmma batch runs) or after the walk.
+      bf16* sOut = out_tile(c);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const int tok = 8 * j + 2 * t, vl = 16 * warp + g;
@@ -408,20 +430,12 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
         sOut[tok * SM::kLdO + vl + 8] = __float2bfloat16_rn(o[j][2]);
         sOut[(tok + 1) * SM::kLdO + vl + 8] = __float2bfloat16_rn(o[j][3]);
       }
+    }
+  }
+  if constexpr (!kMap) {
+    if (c_begin < c_end) {
       __syncthreads();
-      const int rows = (sp.len - c * kChunk < kChunk) ? static_cast<int>(sp.len - c * kChunk) : kChunk;
-      constexpr int kVec = SM::kVs / 8;
-      for (int e = tid; e < rows * kVec; e += kThreads) {
-        const int r = e / kVec, c8 = (e % kVec) * 8;
-        const int64_t tok = mapped_row(a, sp.bos + c * kChunk + r);
-        bf16* dst = a.out + sp.batch * a.out_sb + tok * a.out_st + h * D + v0 + c8;
-        const bf16* src = sOut + r * SM::kLdO + c8;
-        if (a.vec_out) {
-          *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-        } else {
-          for (int i = 0; i < 8; ++i) dst[i] = src[i];
-        }
-      }
+      store_out_tile(c_end - 1);
     }
   }
 
