@@ -10,10 +10,11 @@
 //   S   = S diag(gamma) + VnT KD  (64 x D: 4 m64n128k16, fp16, KD N-major)
 // With mma.sync each warp loaded every B fragment itself (8 warps x ~56 KB of ldmatrix a chunk);
 // wgmma reads each tile once per warpgroup.  The record of chunk c+1 streams in with cp.async while
-// chunk c is computed (2 stages).  The output tile goes through shared memory so that global stores
-// are 16-byte rows.
+// chunk c is computed (2 stages), issued right after the chunk's one block barrier.  The output tile
+// goes through shared memory so that global stores are 16-byte rows; it is double-buffered and
+// stored during the next chunk's first wgmma batch (one barrier per chunk instead of two).
 // Shared memory (D = 128, NW = 8): 2 stages x (W, QT, KD 3 x 16 KB + MQK 8 KB + UT 18 KB + gamma,
-// rounded to 1 KB) + output tile 17 KB + 1 KB alignment: 169 KB.
+// rounded to 1 KB) + 2 output tiles x 17 KB + 1 KB alignment: 185 KB.
 //
 // Modes (context parallelism, kda_segment_scan.cuh): kWhole walks whole sequences (grid.x = N).
 // kSegmentMap walks one segment of a sequence (grid.x = N max_segs) from S = 0 and from S = I at
