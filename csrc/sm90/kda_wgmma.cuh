@@ -16,14 +16,10 @@
 
 #include <cstdint>
 
+#include "sm90/kda_sw128.h"  // sw128_offset: the tile layout below
+
 namespace flashkda {
 namespace sm90 {
-
-// Byte offset of the 16-byte piece holding elements [c8, c8 + 8) of row r in a SW128 tile of R rows.
-template <int R>
-__device__ __forceinline__ int sw128_offset(int r, int c8) {
-  return (c8 >> 6) * (R * 128) + r * 128 + ((((c8 & 63) >> 3) ^ (r & 7)) << 4);
-}
 
 // Matrix descriptor (PTX "shared memory matrix descriptor"): start address, leading and stride byte
 // offsets (all >> 4), layout type 1 = 128-byte swizzle in bits [62, 64).  The start address may be

@@ -1,0 +1,30 @@
+// The 128-byte-swizzled ("SW128") shared-memory tile layout of the wgmma operands (kda_wgmma.cuh),
+// host-callable so that the CPU tests check it against the hardware's swizzle definition
+// (tests/cpp/test_layouts.cpp).
+//
+// A 16-bit matrix of R rows and 64 h columns is stored as h column halves of R x 128 bytes, each
+// half 1024-byte aligned; inside a half, the 16-byte piece c (0..7) of row r sits at
+// r * 128 + ((c ^ (r & 7)) * 16).  That is the unswizzled (row-major within a half) byte address A
+// with bits [4, 7) XOR-ed with bits [7, 10), which is what the hardware applies to the absolute
+// address (PTX ISA, wgmma shared-memory layouts, 128B swizzling: CuTe's Swizzle<3, 4, 3>), hence
+// the 1024-byte alignment of every half.
+#pragma once
+
+#if defined(__CUDACC__)
+#define FLASHKDA_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define FLASHKDA_HOST_DEVICE inline
+#endif
+
+namespace flashkda {
+namespace sm90 {
+
+// Byte offset of the 16-byte piece holding elements [c8, c8 + 8) of row r in a SW128 tile of R rows.
+template <int R>
+FLASHKDA_HOST_DEVICE int sw128_offset(int r, int c8) {
+  static_assert(R % 8 == 0, "a half holds whole 8-row swizzle groups");
+  return (c8 >> 6) * (R * 128) + r * 128 + ((((c8 & 63) >> 3) ^ (r & 7)) << 4);
+}
+
+}  // namespace sm90
+}  // namespace flashkda
