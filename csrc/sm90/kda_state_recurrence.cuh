@@ -51,8 +51,8 @@ struct RecurrenceSmem {
   static constexpr int kShift = kGamma + D * 4;                      // UT shift (int32), padded to 16 bytes
   static constexpr int kStage = (kShift + 16 + 1023) / 1024 * 1024;  // SW128 tiles stay 1024-aligned
   static constexpr int kOut = 2 * kStage;
-  // + 1024: the kernel aligns the dynamic shared memory base up to 1024 bytes.
   static constexpr int kOutTile = kChunk * kLdO * 2;  // two: chunk c's tile is stored during chunk c + 1
+  // + 1024: the kernel aligns the dynamic shared memory base up to 1024 bytes.
   static constexpr int kBytes = kOut + (kMap ? 0 : 2 * kOutTile) + 1024;
   static_assert(kTile % 1024 == 0 && kMQK % 1024 == 0, "SW128 tiles must be 1024-byte aligned");
 };
@@ -340,9 +340,9 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {  // K-major B: a k16 step is 32 bytes, a half 64 columns
       const uint32_t koff = (ks >> 2) * (kChunk * 128) + (ks & 3) * 32;
-      wgmma_m64n64k16_bf16_rs<-1, 0>(vn, sa[ks], sw128_desc(st + SM::kW + koff, 16, 1024));
+      wgmma_m64n64k16_rs<__nv_bfloat16, -1, 0>(vn, sa[ks], sw128_desc(st + SM::kW + koff, 16, 1024));
       if constexpr (!kMap)
-        wgmma_m64n64k16_bf16_rs<1, 0>(o, sa[ks], sw128_desc(st + SM::kQT + koff, 16, 1024));
+        wgmma_m64n64k16_rs<__nv_bfloat16, 1, 0>(o, sa[ks], sw128_desc(st + SM::kQT + koff, 16, 1024));
     }
     wgmma_commit();
     if constexpr (!kMap) {
@@ -397,12 +397,12 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
       if constexpr (!kMap)
-        wgmma_m64n64k16_f16_rs<1, 0>(o, va[ks], sw128_desc(st + SM::kMQK + ks * 32, 16, 1024));
+        wgmma_m64n64k16_rs<__half, 1, 0>(o, va[ks], sw128_desc(st + SM::kMQK + ks * 32, 16, 1024));
       const uint64_t dk = sw128_desc(st + SM::kKD + ks * 2048, kChunk * 128, 1024);
       if constexpr (D == 128) {
         wgmma_m64n128k16_f16_rs<1, 1>(s, va[ks], dk);
       } else {
-        wgmma_m64n64k16_f16_rs<1, 1>(s, va[ks], dk);
+        wgmma_m64n64k16_rs<__half, 1, 1>(s, va[ks], dk);
       }
     }
     wgmma_commit();

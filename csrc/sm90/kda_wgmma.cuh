@@ -14,7 +14,11 @@
 //   (two 8-row groups, SBO = 1024), and the next 64 n (the other half) is LBO = R * 128 bytes away.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include <cstdint>
+#include <type_traits>
 
 #include "sm90/kda_sw128.h"  // sw128_offset: the tile layout below
 
@@ -46,46 +50,47 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
-// D(64 x 64, fp32) += scale_a A(64 x 16, bf16, registers) B(16 x 64, bf16, shared memory).
-template <int kScaleA, int kTransB>
-__device__ __forceinline__ void wgmma_m64n64k16_bf16_rs(float (&d)[8][4], const uint32_t (&a)[4],
-                                                        uint64_t desc_b) {
-  static_assert(kScaleA == 1 || kScaleA == -1, "scale-a is +-1");
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-      "}, {%32, %33, %34, %35}, %36, p, %37, 1, %38;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
-        "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
-        "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
-        "+f"(d[7][2]), "+f"(d[7][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(kScaleA), "n"(kTransB));
-}
+// The register-A instruction forms, written once: FLASHKDA_WGMMA_RS(shape, type, N, d, a, desc_b)
+// issues D(64 x N, fp32) += scale_a A(64 x 16, type, registers) B(16 x N, type, shared memory) with
+// the enclosing template's kScaleA (+-1) and kTransB (1: N-major B).  N64 / N128 select the
+// accumulator operand list (32 or 64 fp32 registers a thread) and the A / descriptor operand indices.
+#define FLASHKDA_WGMMA_D4(d, j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
+#define FLASHKDA_WGMMA_D_N64(d)                                                                       \
+  FLASHKDA_WGMMA_D4(d, 0), FLASHKDA_WGMMA_D4(d, 1), FLASHKDA_WGMMA_D4(d, 2), FLASHKDA_WGMMA_D4(d, 3), \
+      FLASHKDA_WGMMA_D4(d, 4), FLASHKDA_WGMMA_D4(d, 5), FLASHKDA_WGMMA_D4(d, 6), FLASHKDA_WGMMA_D4(d, 7)
+#define FLASHKDA_WGMMA_D_N128(d)                                                                       \
+  FLASHKDA_WGMMA_D_N64(d), FLASHKDA_WGMMA_D4(d, 8), FLASHKDA_WGMMA_D4(d, 9), FLASHKDA_WGMMA_D4(d, 10), \
+      FLASHKDA_WGMMA_D4(d, 11), FLASHKDA_WGMMA_D4(d, 12), FLASHKDA_WGMMA_D4(d, 13),                    \
+      FLASHKDA_WGMMA_D4(d, 14), FLASHKDA_WGMMA_D4(d, 15)
+#define FLASHKDA_WGMMA_REGS_N64                                                                          \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
+  "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define FLASHKDA_WGMMA_REGS_N128                                                                          \
+  FLASHKDA_WGMMA_REGS_N64                                                                                 \
+      ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, " \
+      "%51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define FLASHKDA_WGMMA_TAIL_N64 "{%32, %33, %34, %35}, %36, p, %37, 1, %38"
+#define FLASHKDA_WGMMA_TAIL_N128 "{%64, %65, %66, %67}, %68, p, %69, 1, %70"
+#define FLASHKDA_WGMMA_RS(SHAPE, TYPE, N, d, a, desc_b)                                        \
+  asm volatile(                                                                                \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                               \
+      "wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " {" FLASHKDA_WGMMA_REGS_##N \
+      "}, " FLASHKDA_WGMMA_TAIL_##N ";\n}\n"                                                   \
+      : FLASHKDA_WGMMA_D_##N(d)                                                                \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(kScaleA), "n"(kTransB))
 
-// D(64 x 64, fp32) += scale_a A(64 x 16, fp16, registers) B(16 x 64, fp16, shared memory).
-template <int kScaleA, int kTransB>
-__device__ __forceinline__ void wgmma_m64n64k16_f16_rs(float (&d)[8][4], const uint32_t (&a)[4],
-                                                       uint64_t desc_b) {
+// D(64 x 64, fp32) += scale_a A(64 x 16, registers) B(16 x 64, shared memory); T = bf16 or fp16.
+template <typename T, int kScaleA, int kTransB>
+__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[8][4], const uint32_t (&a)[4],
+                                                   uint64_t desc_b) {
+  static_assert(std::is_same<T, __nv_bfloat16>::value || std::is_same<T, __half>::value,
+                "bf16 or fp16 inputs");
   static_assert(kScaleA == 1 || kScaleA == -1, "scale-a is +-1");
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-      "{"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-      "}, {%32, %33, %34, %35}, %36, p, %37, 1, %38;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
-        "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
-        "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
-        "+f"(d[7][2]), "+f"(d[7][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(kScaleA), "n"(kTransB));
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    FLASHKDA_WGMMA_RS("m64n64k16", "bf16", N64, d, a, desc_b);
+  } else {
+    FLASHKDA_WGMMA_RS("m64n64k16", "f16", N64, d, a, desc_b);
+  }
 }
 
 // D(64 x 128, fp32) += scale_a A(64 x 16, fp16, registers) B(16 x 128, fp16, shared memory).
@@ -93,28 +98,17 @@ template <int kScaleA, int kTransB>
 __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[16][4], const uint32_t (&a)[4],
                                                         uint64_t desc_b) {
   static_assert(kScaleA == 1 || kScaleA == -1, "scale-a is +-1");
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-      "{"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-      "}, {%64, %65, %66, %67}, %68, p, %69, 1, %70;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
-        "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
-        "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
-        "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
-        "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]),
-        "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
-        "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]),
-        "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
-        "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(kScaleA), "n"(kTransB));
+  FLASHKDA_WGMMA_RS("m64n128k16", "f16", N128, d, a, desc_b);
 }
+
+#undef FLASHKDA_WGMMA_RS
+#undef FLASHKDA_WGMMA_TAIL_N128
+#undef FLASHKDA_WGMMA_TAIL_N64
+#undef FLASHKDA_WGMMA_REGS_N128
+#undef FLASHKDA_WGMMA_REGS_N64
+#undef FLASHKDA_WGMMA_D_N128
+#undef FLASHKDA_WGMMA_D_N64
+#undef FLASHKDA_WGMMA_D4
 
 }  // namespace sm90
 }  // namespace flashkda
