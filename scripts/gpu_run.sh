@@ -65,7 +65,8 @@ fi
 if [ "${BW_CEILING:-0}" = 1 ]; then  # the decode access pattern's own ceilings (no KDA math)
   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a bench/bw_ceiling.cu -o /tmp/bw_ceiling &&
     /tmp/bw_ceiling 256 && /tmp/bw_ceiling 64
-  nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a bench/latency_floor.cu -o /tmp/latency_floor &&
+  nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -Iinclude -Icsrc --expt-relaxed-constexpr \
+    bench/latency_floor.cu -o /tmp/latency_floor &&
     /tmp/latency_floor
 fi
 BENCHES=" ${BENCHES:-prefill decode} "
