@@ -97,7 +97,8 @@ __device__ __forceinline__ float rcp(float x) {
   return y;
 }
 
-template <int kMode>  // 0: lean, 1: + sync and 1024 error words
+template <int kMode>  // bits: 1 sync + 1024 error words, 2 constant decay (no gate SFU work), 4 split prep,
+                      // 8 no output store
 __device__ __forceinline__ void lean_step(const LeanArgs& a, int pdl) {
   if (pdl) {
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -141,10 +142,34 @@ __device__ __forceinline__ void lean_step(const LeanArgs& a, int pdl) {
     for (int i = 0; i < 4; ++i) {
       q[4 * i] = bf_lo(qb[i].x), q[4 * i + 1] = bf_hi(qb[i].x), q[4 * i + 2] = bf_lo(qb[i].y), q[4 * i + 3] = bf_hi(qb[i].y);
       k[4 * i] = bf_lo(kb[i].x), k[4 * i + 1] = bf_hi(kb[i].x), k[4 * i + 2] = bf_lo(kb[i].y), k[4 * i + 3] = bf_hi(kb[i].y);
-      const float gg[4] = {bf_lo(gb[i].x), bf_hi(gb[i].x), bf_lo(gb[i].y), bf_hi(gb[i].y)};
-      const float dd[4] = {db[i].x, db[i].y, db[i].z, db[i].w};
+      if constexpr ((kMode & 4) == 0) {
+        const float gg[4] = {bf_lo(gb[i].x), bf_hi(gb[i].x), bf_lo(gb[i].y), bf_hi(gb[i].y)};
+        const float dd[4] = {db[i].x, db[i].y, db[i].z, db[i].w};
 #pragma unroll
-      for (int c = 0; c < 4; ++c) d[4 * i + c] = ex2(lb2 * rcp(1.f + ex2(c1 * (gg[c] + dd[c]))));
+        for (int c = 0; c < 4; ++c)
+          d[4 * i + c] = (kMode & 2) ? 0.99f + 1e-3f * gg[c] : ex2(lb2 * rcp(1.f + ex2(c1 * (gg[c] + dd[c]))));
+      }
+    }
+    if constexpr ((kMode & 4) != 0) {
+      // Lane L computes the decay of columns 4 L .. 4 L + 3 (its own g / dt_bias load), and the warp
+      // exchanges them through its own shared buffer (no block barrier).
+      __shared__ __align__(16) float dsm[4][128];
+      const uint2 g4 = *reinterpret_cast<const uint2*>(a.g + tok + 4 * lane);
+      const float4 b4 = *reinterpret_cast<const float4*>(a.dt_bias + h * D + 4 * lane);
+      const float gg[4] = {bf_lo(g4.x), bf_hi(g4.x), bf_lo(g4.y), bf_hi(g4.y)};
+      const float dd[4] = {b4.x, b4.y, b4.z, b4.w};
+      float4 r;
+      r.x = ex2(lb2 * rcp(1.f + ex2(c1 * (gg[0] + dd[0]))));
+      r.y = ex2(lb2 * rcp(1.f + ex2(c1 * (gg[1] + dd[1]))));
+      r.z = ex2(lb2 * rcp(1.f + ex2(c1 * (gg[2] + dd[2]))));
+      r.w = ex2(lb2 * rcp(1.f + ex2(c1 * (gg[3] + dd[3]))));
+      *reinterpret_cast<float4*>(&dsm[warp][4 * lane]) = r;
+      __syncwarp();
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float4 x = *reinterpret_cast<const float4*>(&dsm[warp][4 * j + 32 * i]);
+        d[4 * i] = x.x, d[4 * i + 1] = x.y, d[4 * i + 2] = x.z, d[4 * i + 3] = x.w;
+      }
     }
 #pragma unroll
     for (int c = 0; c < 16; ++c) sq += q[c] * q[c], sk += k[c] * k[c], kq += q[c] * k[c];
@@ -179,9 +204,9 @@ __device__ __forceinline__ void lean_step(const LeanArgs& a, int pdl) {
             make_float4(s[4 * i] + u * kk[0], s[4 * i + 1] + u * kk[1], s[4 * i + 2] + u * kk[2], s[4 * i + 3] + u * kk[3]);
       }
     }
-    if (j == 0) a.out[tok + row] = static_cast<unsigned short>(__float_as_uint(ok ? out : 0.f) >> 16);
+    if ((kMode & 8) == 0 && j == 0) a.out[tok + row] = static_cast<unsigned short>(__float_as_uint(ok ? out : 0.f) >> 16);
   }
-  if constexpr (kMode == 0) {
+  if constexpr ((kMode & 1) == 0) {
     if (tid == 0) a.err[b] = err;
   } else {
     __shared__ int e;
@@ -196,6 +221,8 @@ __device__ __forceinline__ void lean_step(const LeanArgs& a, int pdl) {
 
 __global__ void lean_kernel(const __grid_constant__ LeanArgs a, int pdl) { lean_step<0>(a, pdl); }
 __global__ void lean_sync_kernel(const __grid_constant__ LeanArgs a, int pdl) { lean_step<1>(a, pdl); }
+template <int kMode>
+__global__ void lean_variant_kernel(const __grid_constant__ LeanArgs a, int pdl) { lean_step<kMode>(a, pdl); }
 __global__ void lean_padded_kernel(const __grid_constant__ LeanArgsPadded a, int pdl) { lean_step<0>(a.a, pdl); }
 
 template <class F>
@@ -283,6 +310,12 @@ int main() {
   std::printf("lean+pdl+sync   %6.2f us\n",
               graph_us([&](cudaStream_t s) { launch(s, true, lean_sync_kernel, la, 1); }));
   std::printf("lean            %6.2f us\n", graph_us([&](cudaStream_t s) { launch(s, false, lean_kernel, la, 0); }));
+  std::printf("lean+pdl const decay %5.2f us\n",
+              graph_us([&](cudaStream_t s) { launch(s, true, lean_variant_kernel<2>, la, 1); }));
+  std::printf("lean+pdl split prep  %5.2f us\n",
+              graph_us([&](cudaStream_t s) { launch(s, true, lean_variant_kernel<4>, la, 1); }));
+  std::printf("lean+pdl no out      %5.2f us\n",
+              graph_us([&](cudaStream_t s) { launch(s, true, lean_variant_kernel<8>, la, 1); }));
   std::printf("lean+pdl (again) %5.2f us\n", graph_us([&](cudaStream_t s) { launch(s, true, lean_kernel, la, 1); }));
   {
     flashkda::sm90::DecodeArgs da = {};

@@ -55,12 +55,13 @@ bool env_is(const char* name, const char* value) {
   return e != nullptr && std::strcmp(e, value) == 0;
 }
 
-// Dev switch for A/B runs: FLASHKDA_DECODE_KERNEL=pipelined or =latency forces a decode kernel
+// Dev switch for A/B runs: FLASHKDA_DECODE_KERNEL=pipelined, =latency or =fixed forces a decode kernel
 // (default: chosen by the call's size, see sm90::DecodeKernel).  Read on every call, so a test can
 // run both kernels in one process.
 sm90::DecodeKernel decode_kernel_choice() {
   if (env_is("FLASHKDA_DECODE_KERNEL", "pipelined")) return sm90::DecodeKernel::kPipelined;
   if (env_is("FLASHKDA_DECODE_KERNEL", "latency")) return sm90::DecodeKernel::kLatency;
+  if (env_is("FLASHKDA_DECODE_KERNEL", "fixed")) return sm90::DecodeKernel::kFixedLayout;
   return sm90::DecodeKernel::kAuto;
 }
 

@@ -357,15 +357,5 @@ int latency_rows_per_thread(const DecodeArgs& a) {
   return 0;
 }
 
-// Kernel choice and launch for one head dim and state dtype (see DecodeKernel).
-template <int D, bool kF32>
-Status launch_decode_kernel(const DecodeArgs& a, DecodeKernel kernel, bool pdl, int num_sms,
-                            cudaStream_t stream) {
-  const int rows = kernel == DecodeKernel::kPipelined ? 0 : latency_rows_per_thread<D>(a);
-  if (rows == 1) return launch_decode_latency<D, kF32, 1>(a, pdl, stream);
-  if (rows == 2) return launch_decode_latency<D, kF32, 2>(a, pdl, stream);
-  return launch_decode_pipelined<D, kF32>(a, num_sms, pdl, stream);
-}
-
 }  // namespace sm90
 }  // namespace flashkda

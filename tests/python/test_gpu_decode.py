@@ -41,11 +41,12 @@ ERR_STATE_INDEX, ERR_TOKEN_ROW, ERR_ACCEPTED, ERR_SLOT_CONFLICT = 2, 3, 5, 6
 CUDA_BACKEND = {"backend": "cuda"} if "backend" in inspect.signature(flashkda.decode).parameters else {}
 
 
-@pytest.fixture(autouse=True, params=["auto", "pipelined"])
+@pytest.fixture(autouse=True, params=["auto", "latency", "pipelined"])
 def decode_kernel(request, monkeypatch):
-    """Every test runs twice: with the kernel the call's size selects (the latency kernel for the
-    small calls here, the pipelined one for the large), and with the pipelined kernel forced
-    (FLASHKDA_DECODE_KERNEL, a dev switch read on every call)."""
+    """Every test runs three times: with the kernel the call selects (the fixed-layout kernel for
+    small fixed-layout calls, the latency kernel for other small calls, the pipelined one for the
+    large), and with the latency and the pipelined kernel forced (FLASHKDA_DECODE_KERNEL, a dev
+    switch read on every call; a forced kernel that cannot run a call falls through to the next)."""
     if request.param == "auto":
         monkeypatch.delenv("FLASHKDA_DECODE_KERNEL", raising=False)
     else:
