@@ -27,9 +27,9 @@
 //   -Iinclude -Icsrc --expt-relaxed-constexpr -o /tmp/latency_floor && /tmp/latency_floor
 #include <cuda_runtime.h>
 
-#include <cstdio>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -65,7 +65,6 @@ __global__ void chain_kernel(int pdl, const int* idx, float* pool) {
     p[i] = s[i];
   }
 }
-
 
 // ---------------------------------------------------------------------------------------------
 // lean: a complete plain decode step and nothing more (see the header).  The math is the spec's:
@@ -150,14 +149,17 @@ __device__ __forceinline__ void lean_step(const LeanArgs& a, int pdl) {
     const float c1 = -__expf(alog) * 1.4426950408889634f, lb2 = a.lower_bound * 1.4426950408889634f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      q[4 * i] = bf_lo(qb[i].x), q[4 * i + 1] = bf_hi(qb[i].x), q[4 * i + 2] = bf_lo(qb[i].y), q[4 * i + 3] = bf_hi(qb[i].y);
-      k[4 * i] = bf_lo(kb[i].x), k[4 * i + 1] = bf_hi(kb[i].x), k[4 * i + 2] = bf_lo(kb[i].y), k[4 * i + 3] = bf_hi(kb[i].y);
+      q[4 * i] = bf_lo(qb[i].x), q[4 * i + 1] = bf_hi(qb[i].x), q[4 * i + 2] = bf_lo(qb[i].y),
+            q[4 * i + 3] = bf_hi(qb[i].y);
+      k[4 * i] = bf_lo(kb[i].x), k[4 * i + 1] = bf_hi(kb[i].x), k[4 * i + 2] = bf_lo(kb[i].y),
+            k[4 * i + 3] = bf_hi(kb[i].y);
       if constexpr ((kMode & 4) == 0) {
         const float gg[4] = {bf_lo(gb[i].x), bf_hi(gb[i].x), bf_lo(gb[i].y), bf_hi(gb[i].y)};
         const float dd[4] = {db[i].x, db[i].y, db[i].z, db[i].w};
 #pragma unroll
         for (int c = 0; c < 4; ++c)
-          d[4 * i + c] = (kMode & 2) ? 0.99f + 1e-3f * gg[c] : ex2(lb2 * rcp(1.f + ex2(c1 * (gg[c] + dd[c]))));
+          d[4 * i + c] =
+              (kMode & 2) ? 0.99f + 1e-3f * gg[c] : ex2(lb2 * rcp(1.f + ex2(c1 * (gg[c] + dd[c]))));
       }
     }
     if constexpr ((kMode & 4) != 0) {
@@ -211,10 +213,12 @@ __device__ __forceinline__ void lean_step(const LeanArgs& a, int pdl) {
       for (int i = 0; i < 4; ++i) {
         const float kk[4] = {k[4 * i] * ks, k[4 * i + 1] * ks, k[4 * i + 2] * ks, k[4 * i + 3] * ks};
         *reinterpret_cast<float4*>(wrow + 4 * j + 32 * i) =
-            make_float4(s[4 * i] + u * kk[0], s[4 * i + 1] + u * kk[1], s[4 * i + 2] + u * kk[2], s[4 * i + 3] + u * kk[3]);
+            make_float4(s[4 * i] + u * kk[0], s[4 * i + 1] + u * kk[1], s[4 * i + 2] + u * kk[2],
+                        s[4 * i + 3] + u * kk[3]);
       }
     }
-    if ((kMode & 8) == 0 && j == 0) a.out[tok + row] = static_cast<unsigned short>(__float_as_uint(ok ? out : 0.f) >> 16);
+    if ((kMode & 8) == 0 && j == 0)
+      a.out[tok + row] = static_cast<unsigned short>(__float_as_uint(ok ? out : 0.f) >> 16);
   }
   if constexpr ((kMode & 1) == 0) {
     if (tid == 0) a.err[b] = err;
@@ -232,8 +236,12 @@ __device__ __forceinline__ void lean_step(const LeanArgs& a, int pdl) {
 __global__ void lean_kernel(const __grid_constant__ LeanArgs a, int pdl) { lean_step<0>(a, pdl); }
 __global__ void lean_sync_kernel(const __grid_constant__ LeanArgs a, int pdl) { lean_step<1>(a, pdl); }
 template <int kMode>
-__global__ void lean_variant_kernel(const __grid_constant__ LeanArgs a, int pdl) { lean_step<kMode>(a, pdl); }
-__global__ void lean_padded_kernel(const __grid_constant__ LeanArgsPadded a, int pdl) { lean_step<0>(a.a, pdl); }
+__global__ void lean_variant_kernel(const __grid_constant__ LeanArgs a, int pdl) {
+  lean_step<kMode>(a, pdl);
+}
+__global__ void lean_padded_kernel(const __grid_constant__ LeanArgsPadded a, int pdl) {
+  lean_step<0>(a.a, pdl);
+}
 
 template <class F>
 static float graph_us(F&& launch) {
@@ -310,16 +318,18 @@ int main() {
   CHECK(cudaMalloc(&dtb, H * D * 4));
   CHECK(cudaMemset(dtb, 0, H * D * 4));
   CHECK(cudaMalloc(&err, 1024 * 4));
-  LeanArgs la{tok, tok + H * D, tok + 2 * H * D, gbits, tok + 3 * H * D, out, alog, dtb, pool, idx, err, H, 8,
-              0.088f, -5.f};
+  LeanArgs la{tok, tok + H * D, tok + 2 * H * D, gbits, tok + 3 * H * D, out, alog, dtb, pool, idx, err,
+              H,   8,           0.088f,          -5.f};
   LeanArgsPadded lp{};
   lp.a = la;
-  std::printf("lean+pdl        %6.2f us\n", graph_us([&](cudaStream_t s) { launch(s, true, lean_kernel, la, 1); }));
+  std::printf("lean+pdl        %6.2f us\n",
+              graph_us([&](cudaStream_t s) { launch(s, true, lean_kernel, la, 1); }));
   std::printf("lean+pdl+args   %6.2f us\n",
               graph_us([&](cudaStream_t s) { launch(s, true, lean_padded_kernel, lp, 1); }));
   std::printf("lean+pdl+sync   %6.2f us\n",
               graph_us([&](cudaStream_t s) { launch(s, true, lean_sync_kernel, la, 1); }));
-  std::printf("lean            %6.2f us\n", graph_us([&](cudaStream_t s) { launch(s, false, lean_kernel, la, 0); }));
+  std::printf("lean            %6.2f us\n",
+              graph_us([&](cudaStream_t s) { launch(s, false, lean_kernel, la, 0); }));
   std::printf("lean+pdl const decay %5.2f us\n",
               graph_us([&](cudaStream_t s) { launch(s, true, lean_variant_kernel<2>, la, 1); }));
   std::printf("lean+pdl split prep  %5.2f us\n",
@@ -328,10 +338,12 @@ int main() {
               graph_us([&](cudaStream_t s) { launch(s, true, lean_variant_kernel<4 | 16>, la, 1); }));
   std::printf("lean+pdl no out      %5.2f us\n",
               graph_us([&](cudaStream_t s) { launch(s, true, lean_variant_kernel<8>, la, 1); }));
-  std::printf("lean+pdl (again) %5.2f us\n", graph_us([&](cudaStream_t s) { launch(s, true, lean_kernel, la, 1); }));
+  std::printf("lean+pdl (again) %5.2f us\n",
+              graph_us([&](cudaStream_t s) { launch(s, true, lean_kernel, la, 1); }));
   {
     flashkda::sm90::DecodeArgs da = {};
-    da.q = reinterpret_cast<const flashkda::sm90::bf16*>(la.q), da.k = reinterpret_cast<const flashkda::sm90::bf16*>(la.k);
+    da.q = reinterpret_cast<const flashkda::sm90::bf16*>(la.q),
+    da.k = reinterpret_cast<const flashkda::sm90::bf16*>(la.k);
     da.v = reinterpret_cast<const flashkda::sm90::bf16*>(la.v), da.g = la.g, da.beta = la.beta;
     da.out = reinterpret_cast<flashkda::sm90::bf16*>(out);
     da.q_sb = da.k_sb = da.v_sb = da.g_sb = da.out_sb = H * D, da.beta_sb = H;
@@ -346,7 +358,8 @@ int main() {
                   if (!flashkda::sm90::launch_decode_latency<128, true, 1>(da, true, s).ok()) std::exit(1);
                 }));
     std::printf("library fixed   %6.2f us\n", graph_us([&](cudaStream_t s) {
-                  if (!flashkda::sm90::launch_decode_fixed_layout<128, true, 1>(da, true, s).ok()) std::exit(1);
+                  if (!flashkda::sm90::launch_decode_fixed_layout<128, true, 1>(da, true, s).ok())
+                    std::exit(1);
                 }));
   }
   std::vector<int> herr(1024);

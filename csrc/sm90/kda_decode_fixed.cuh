@@ -49,23 +49,118 @@ struct FixedLayout {
     return slice * kRowsPerBlock + r * (kRowsPerBlock / kR) + warp * kRowsPerWarp + lane / kLanesPerRow;
   }
   static int64_t state_blocks(int64_t N, int64_t H) { return N * H * kSlices; }
-  static int64_t grid(int64_t N, int64_t H) { return state_blocks(N, H) + (N + kFixedWarps - 1) / kFixedWarps; }
+  static int64_t grid(int64_t N, int64_t H) {
+    return state_blocks(N, H) + (N + kFixedWarps - 1) / kFixedWarps;
+  }
 };
 
 template <int D>
 struct FixedSmem {
-  TokenBuf<D> tok[kFixedWarps][kFixedMaxTokens];  // per warp: its preprocessed copy of the tokens
-  int err;                                        // checker blocks' reduction
-  uint32_t param_touch;                           // touch_decode_params' sum (never read)
+  // Preprocessed tokens: T = 1, warp w's own copy in tok[w]; T > 1, token t (by warp t) in tok[t].
+  TokenBuf<D> tok[kFixedWarps];
+  float beta[kFixedWarps];  // b of tok[w]
+  int err;                  // checker blocks' reduction
+  uint32_t param_touch;     // touch_decode_params' sum (never read)
+};
+static_assert(kFixedMaxTokens <= kFixedWarps, "one token a warp");
+
+// Whether a call can run on the fixed-layout kernel (host side; the grid size is checked separately):
+// the serving engines' canonical decode tensors, so that the kernel's executed path has no runtime
+// layout or dtype branches and 32-bit token offsets (a batch-1 call is one warp per scheduler: every
+// instruction on the chain is exposed latency; ncu: ~770 executed instructions a warp in the generic
+// latency kernel).  q, k, v, g, out contiguous [N, T, H, D] with 16-byte aligned rows, g and beta bf16,
+// beta [N, T, H], int32 indices and num_accepted_tokens, 1 <= T <= 4.
+inline bool fixed_layout_call(const DecodeArgs& a, int D) {
+  if (a.cu_seqlens != nullptr || a.token_rows != nullptr || a.T < 1 || a.T > kFixedMaxTokens) return false;
+  if (a.g_fp32 || a.beta_fp32 || a.idx_int64 || (a.spec && a.acc_int64)) return false;
+  if (!a.vec_q || !a.vec_k || !a.vec_g) return false;
+  const int64_t st = static_cast<int64_t>(a.H) * D, sb = a.T * st;
+  if (a.q_st != st || a.k_st != st || a.v_st != st || a.g_st != st || a.out_st != st) return false;
+  if (a.q_sb != sb || a.k_sb != sb || a.v_sb != sb || a.g_sb != sb || a.out_sb != sb) return false;
+  if (a.beta_st != a.H || a.beta_sb != a.T * a.H) return false;
+  return static_cast<int64_t>(a.N) * sb < (int64_t{1} << 31);
+}
+
+// One token's inputs for one lane (D / 32 columns: bf16 pairs of q, k, g) and beta, as loaded bits.
+template <int D>
+struct FixedTokenBits {
+  static constexpr int kPairs = D / 64;
+  uint32_t q[kPairs], k[kPairs], g[kPairs];
+  uint32_t beta;
 };
 
-// Whether a call can run on the fixed-layout kernel (host side; the grid size is checked separately).
-inline bool fixed_layout_call(const DecodeArgs& a) {
-  return a.cu_seqlens == nullptr && a.token_rows == nullptr && a.T >= 1 && a.T <= kFixedMaxTokens;
+template <int D>
+__device__ __forceinline__ void load_fixed_token(const DecodeArgs& a, int tok_head, int lane,
+                                                 FixedTokenBits<D>& t) {
+  constexpr int P = FixedTokenBits<D>::kPairs;
+  const int off = tok_head * D + lane * 2 * P;  // 32-bit: checked by fixed_layout_call
+  const uint32_t* q = reinterpret_cast<const uint32_t*>(a.q + off);
+  const uint32_t* k = reinterpret_cast<const uint32_t*>(a.k + off);
+  const uint32_t* g = reinterpret_cast<const uint32_t*>(static_cast<const bf16*>(a.g) + off);
+  if constexpr (P == 2) {
+    const uint2 qq = *reinterpret_cast<const uint2*>(q), kk = *reinterpret_cast<const uint2*>(k),
+                gg = *reinterpret_cast<const uint2*>(g);
+    t.q[0] = qq.x, t.q[1] = qq.y, t.k[0] = kk.x, t.k[1] = kk.y, t.g[0] = gg.x, t.g[1] = gg.y;
+  } else {
+    t.q[0] = q[0], t.k[0] = k[0], t.g[0] = g[0];
+  }
+  t.beta = static_cast<const unsigned short*>(a.beta)[tok_head];
+}
+
+// Preprocesses one token into `buf` (spec section 2; the same quantities as preprocess_token<D, true>):
+// lane l owns columns 2 P l .. 2 P l + 2 P - 1, the norms and k.q reduce over the warp.  The bounded gate
+// is folded as in chunk_prepare: log2 decay = lb2 / (1 + 2^(c1 (g + dt_bias))), c1 = -exp(A_log) log2 e,
+// lb2 = lower_bound log2 e (one FFMA, two SFU ops and an FMUL a column).  Returns beta.
+template <int D>
+__device__ __forceinline__ float prep_fixed_token(const DecodeArgs& a, const FixedTokenBits<D>& t, float expA,
+                                                  const float (&dtb)[D / 32], TokenBuf<D>& buf, int lane) {
+  constexpr int P = FixedTokenBits<D>::kPairs, PC = 2 * P;
+  float q[PC], k[PC], d[PC];
+  float sq = 0.f, sk = 0.f, kq = 0.f;
+  const float c1 = -expA * kLog2e, lb2 = a.lower_bound * kLog2e;
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    q[2 * i] = bf16_bits_lo(t.q[i]), q[2 * i + 1] = bf16_bits_hi(t.q[i]);
+    k[2 * i] = bf16_bits_lo(t.k[i]), k[2 * i + 1] = bf16_bits_hi(t.k[i]);
+    const float g2[2] = {bf16_bits_lo(t.g[i]), bf16_bits_hi(t.g[i])};
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int e = 2 * i + c;
+      d[e] = a.gate_mode == kGateBounded
+                 ? fast_exp2(lb2 * fast_rcp(1.f + fast_exp2(c1 * (g2[c] + dtb[e]))))
+                 : fast_exp2(gate_log_decay(a.gate_mode, g2[c], expA, dtb[e], a.lower_bound) * kLog2e);
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < PC; ++e) sq += q[e] * q[e], sk += k[e] * k[e], kq += q[e] * k[e];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    sq += __shfl_xor_sync(0xffffffffu, sq, o);
+    sk += __shfl_xor_sync(0xffffffffu, sk, o);
+    kq += __shfl_xor_sync(0xffffffffu, kq, o);
+  }
+  float qs = a.scale, ks = 1.f;
+  if (a.l2norm) {
+    qs *= rsqrtf(sq + 1e-6f);  // x / sqrt(sum x^2 + 1e-6), as the other kernels
+    ks = rsqrtf(sk + 1e-6f);
+  }
+  const int c0 = lane * PC;
+  if constexpr (PC == 4) {
+    *reinterpret_cast<float4*>(&buf.q[c0]) = make_float4(q[0] * qs, q[1] * qs, q[2] * qs, q[3] * qs);
+    *reinterpret_cast<float4*>(&buf.k[c0]) = make_float4(k[0] * ks, k[1] * ks, k[2] * ks, k[3] * ks);
+    *reinterpret_cast<float4*>(&buf.decay[c0]) = make_float4(d[0], d[1], d[2], d[3]);
+  } else {
+    *reinterpret_cast<float2*>(&buf.q[c0]) = make_float2(q[0] * qs, q[1] * qs);
+    *reinterpret_cast<float2*>(&buf.k[c0]) = make_float2(k[0] * ks, k[1] * ks);
+    *reinterpret_cast<float2*>(&buf.decay[c0]) = make_float2(d[0], d[1]);
+  }
+  if (lane == 0) buf.kq = kq * qs * ks;
+  const float x = bf16_bits_lo(t.beta);
+  return a.beta_sigmoid ? fast_rcp(1.f + fast_exp2(-x * kLog2e)) : x;
 }
 
 template <int D, bool kF32, int kR>
-// 4 blocks a SM: a 128-register cap (without it ptxas chose 96 for kR = 1 and spilled).
+// 4 blocks a SM: a 128-register cap.
 __global__ void __launch_bounds__(kFixedThreads, 4)
     decode_fixed_layout_kernel(const __grid_constant__ DecodeArgs a, const int64_t state_blocks) {
   using L = FixedLayout<D, kR>;
@@ -81,7 +176,7 @@ __global__ void __launch_bounds__(kFixedThreads, 4)
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
-  const int64_t b = blockIdx.x;
+  const int b = static_cast<int>(blockIdx.x);  // < kDecodeErrorSlots
   if (b >= state_blocks) {
     // ---------------------------------------------------------------- checker block
     int err = 0;
@@ -96,102 +191,108 @@ __global__ void __launch_bounds__(kFixedThreads, 4)
   }
 
   // ------------------------------------------------------------------ state block
-  const int64_t per_request = static_cast<int64_t>(a.H) * L::kSlices;
-  const int64_t n = b / per_request;
-  const int h = static_cast<int>((b % per_request) / L::kSlices);
-  const int slice = static_cast<int>(b % L::kSlices);
+  const int per_request = a.H * L::kSlices;
+  const int n = b / per_request;
+  const int h = (b - n * per_request) / L::kSlices;
+  const int slice = b % L::kSlices;
   int vrow[kR];
 #pragma unroll
   for (int q = 0; q < kR; ++q) vrow[q] = L::row(slice, q, warp, lane);
   const int j = lane % L::kLanesPerRow;
-  const int T = static_cast<int>(a.T);
-  const int64_t head_rows = static_cast<int64_t>(a.H) * D;
-  const int64_t out_col = static_cast<int64_t>(h) * D;
+  const int T = static_cast<int>(a.T), S = static_cast<int>(a.slots);
+  const int* idx = static_cast<const int*>(a.idx);
   StateT* pool = static_cast<StateT*>(a.pool);
+  const int64_t head_rows = static_cast<int64_t>(a.H) * D;
 
   // 1. Every load that depends on n alone, before any loaded value is used (a use stalls the warp):
-  // the read slot's first load, the write slots (spec), the gate parameters, and all T tokens' raw
-  // bits (q, k, g, beta: the lane's D / 32 columns; v: the thread's rows).
-  const IndexBits first =
-      a.spec ? load_index_bits(a.num_accepted, a.acc_int64, n) : load_index_bits(a.idx, a.idx_int64, n);
+  // the read slot's first load, the write slots (spec), the gate parameters, this warp's token (T = 1:
+  // every warp preprocesses the token itself; T > 1: warp t preprocesses token t) and the thread's
+  // value entries of all T tokens.
+  const int first = a.spec ? static_cast<const int*>(a.num_accepted)[n] : idx[n];
+  int wslot[kFixedMaxTokens];
+#pragma unroll
+  for (int t = 0; t < kFixedMaxTokens; ++t) wslot[t] = a.spec && t < T && t < S ? idx[n * S + t] : -1;
   const bool gated = a.gate_mode != kGatePrecomputed;
   const float a_log = gated ? a.A_log[h] : 0.f;
   float dtb[PC];
 #pragma unroll
   for (int i = 0; i < PC; ++i) dtb[i] = gated ? a.dt_bias[h * D + lane * PC + i] : 0.f;
-  TokenBits<D> bits[kFixedMaxTokens];
-  IndexBits wslot[kFixedMaxTokens];
+  const int my_t = T == 1 ? 0 : warp;
+  FixedTokenBits<D> bits;
+  if (my_t < T) load_fixed_token<D>(a, (n * T + my_t) * a.H + h, lane, bits);
   uint32_t vb[kR][kFixedMaxTokens];
   const unsigned short* v = reinterpret_cast<const unsigned short*>(a.v);
 #pragma unroll
   for (int t = 0; t < kFixedMaxTokens; ++t) {
-    wslot[t] = IndexBits{0xffffffffu, 0xffffffffu};  // -1 either way: no write
     if (t < T) {
-      load_token_bits<D>(a, n, t, h, lane, bits[t]);
-      const int64_t base = n * a.v_sb + t * a.v_st + out_col;
 #pragma unroll
-      for (int q = 0; q < kR; ++q) vb[q][t] = v[base + vrow[q]];
-      if (a.spec && t < a.slots) wslot[t] = load_index_bits(a.idx, a.idx_int64, n * a.slots + t);
+      for (int q = 0; q < kR; ++q) vb[q][t] = v[((n * T + t) * a.H + h) * D + vrow[q]];
     }
   }
-  // 2. The read slot (spec: idx[n, acc - 1], a second round trip), then the state rows (clamped into
-  // the pool; used only if every check passes).
-  ReadSlotLoad rs;
+  // 2. The read slot (spec: idx[n, acc - 1], a second round trip), its checks, then the state rows
+  // (clamped into the pool; used only if every check passes).  Every thread loads and checks the
+  // same values, so err is the same in the whole block.
+  int err = 0, read = first;
   if (a.spec) {
-    rs.acc = index_value(first, a.acc_int64);
-    rs.slot = slot_at(a, n, rs.acc >= 1 && rs.acc <= a.slots ? rs.acc - 1 : 0);
-  } else {
-    rs.acc = 1;
-    rs.slot = index_value(first, a.idx_int64);
+    if (first < 1 || first > S) err = static_cast<int>(DeviceError::kBadAcceptedCount);
+    read = idx[n * S + (err == 0 ? first - 1 : 0)];
+    if (err == 0 && read >= 0 && T > S) err = static_cast<int>(DeviceError::kBadStateIndex);
   }
-  int64_t read = -1;
-  int err = decode_read_slot_check(a, rs, T, &read);
+  if (err == 0 && read >= a.pool_rows) err = static_cast<int>(DeviceError::kBadStateIndex);
   float s[kR][16];
   if (read >= 0) {
     const int64_t r = read < a.pool_rows ? read : a.pool_rows - 1;
 #pragma unroll
-    for (int q = 0; q < kR; ++q) load_state_row<D, kF32>(pool + (r * head_rows + out_col + vrow[q]) * D, j, s[q]);
+    for (int q = 0; q < kR; ++q)
+      load_state_row<D, kF32>(pool + (r * head_rows + h * D + vrow[q]) * D, j, s[q]);
   }
-  // 3. While the state is in flight: the other index entries (every thread checks all of them, so
-  // err is the same in the whole block) and this warp's copy of the tokens.
-  if (err == 0) err = decode_entries_error(a, n, 0, T, 0, 1);
+  // 3. While the state is in flight: the other index entries (spec: all S of the row) and the token.
+  if (a.spec && err == 0) {
+    for (int e = 0; e < S; ++e) {
+      if (idx[n * S + e] >= a.pool_rows) err = static_cast<int>(DeviceError::kBadStateIndex);
+    }
+  }
   const float expA = gated ? expf(a_log) : 0.f;
-  float beta[kFixedMaxTokens];
-#pragma unroll
-  for (int t = 0; t < kFixedMaxTokens; ++t) {
-    if (t < T) beta[t] = preprocess_token<D, true>(a, token_from_bits<D>(a, bits[t]), expA, dtb, sm.tok[warp][t], lane);
+  float beta = 0.f;
+  if (my_t < T) beta = prep_fixed_token<D>(a, bits, expA, dtb, sm.tok[warp], lane);  // same in every lane
+  if (lane == 0) sm.beta[warp] = beta;
+  if (T == 1) {
+    __syncwarp();
+  } else {
+    __syncthreads();  // tokens by warp: publish them to every warp
   }
-  __syncwarp();
 
   if (err == 0) {
+    bf16* out = a.out + h * D;
     if (read < 0) {  // padded request: zero its outputs, touch no state
       if (j == 0) {
         for (int t = 0; t < T; ++t) {
-          bf16* o = a.out + n * a.out_sb + t * a.out_st + out_col;
 #pragma unroll
-          for (int q = 0; q < kR; ++q) o[vrow[q]] = __float2bfloat16_rn(0.f);
+          for (int q = 0; q < kR; ++q) out[(n * T + t) * head_rows + vrow[q]] = __float2bfloat16_rn(0.f);
         }
       }
     } else {
 #pragma unroll
       for (int t = 0; t < kFixedMaxTokens; ++t) {
         if (t >= T) break;
+        const int src = T == 1 ? warp : t;
         float vt[kR], o[kR];
 #pragma unroll
         for (int q = 0; q < kR; ++q) vt[q] = bf16_bits_lo(vb[q][t]);
-        advance_rows<D, kR>(s, sm.tok[warp][t], j, beta[t], vt, o);
-        bf16* orow = a.out + n * a.out_sb + t * a.out_st + out_col;
-        const int64_t w = index_value(wslot[t], a.idx_int64);
+        advance_rows<D, kR>(s, sm.tok[src], j, T == 1 ? beta : sm.beta[t], vt, o);
 #pragma unroll
         for (int q = 0; q < kR; ++q) {
-          if (j == 0) orow[vrow[q]] = __float2bfloat16_rn(o[q]);
-          if (w >= 0) store_state_row<D, kF32>(pool + (w * head_rows + out_col + vrow[q]) * D, j, s[q]);
+          if (j == 0) out[(n * T + t) * head_rows + vrow[q]] = __float2bfloat16_rn(o[q]);
+          if (wslot[t] >= 0)
+            store_state_row<D, kF32>(
+                pool + (static_cast<int64_t>(wslot[t]) * head_rows + h * D + vrow[q]) * D, j, s[q]);
         }
       }
       if (!a.spec) {
 #pragma unroll
         for (int q = 0; q < kR; ++q)
-          store_state_row<D, kF32>(pool + (read * head_rows + out_col + vrow[q]) * D, j, s[q]);
+          store_state_row<D, kF32>(pool + (static_cast<int64_t>(read) * head_rows + h * D + vrow[q]) * D, j,
+                                   s[q]);
       }
     }
   }
@@ -202,7 +303,7 @@ __global__ void __launch_bounds__(kFixedThreads, 4)
 // block, else 2, else 0 (not this kernel).
 template <int D>
 int fixed_rows_per_thread(const DecodeArgs& a) {
-  if (!fixed_layout_call(a)) return 0;
+  if (!fixed_layout_call(a, D)) return 0;
   if (FixedLayout<D, 1>::grid(a.N, a.H) <= kDecodeErrorSlots) return 1;
   if (FixedLayout<D, 2>::grid(a.N, a.H) <= kDecodeErrorSlots) return 2;
   return 0;
