@@ -111,6 +111,33 @@ __device__ __forceinline__ void load_fixed_token(const DecodeArgs& a, int tok_he
 // lane l owns columns 2 P l .. 2 P l + 2 P - 1, the norms and k.q reduce over the warp.  The bounded gate
 // is folded as in chunk_prepare: log2 decay = lb2 / (1 + 2^(c1 (g + dt_bias))), c1 = -exp(A_log) log2 e,
 // lb2 = lower_bound log2 e (one FFMA, two SFU ops and an FMUL a column).  Returns beta.
+// The decay of the lane's D / 32 columns into buf.decay, and beta (T = 1 path).
+template <int D>
+__device__ __forceinline__ float prep_fixed_decay(const DecodeArgs& a, const FixedTokenBits<D>& t, float expA,
+                                                  const float (&dtb)[D / 32], TokenBuf<D>& buf, int lane) {
+  constexpr int P = FixedTokenBits<D>::kPairs, PC = 2 * P;
+  float d[PC];
+  const float c1 = -expA * kLog2e, lb2 = a.lower_bound * kLog2e;
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    const float g2[2] = {bf16_bits_lo(t.g[i]), bf16_bits_hi(t.g[i])};
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int e = 2 * i + c;
+      d[e] = a.gate_mode == kGateBounded
+                 ? fast_exp2(lb2 * fast_rcp(1.f + fast_exp2(c1 * (g2[c] + dtb[e]))))
+                 : fast_exp2(gate_log_decay(a.gate_mode, g2[c], expA, dtb[e], a.lower_bound) * kLog2e);
+    }
+  }
+  if constexpr (PC == 4) {
+    *reinterpret_cast<float4*>(&buf.decay[lane * PC]) = make_float4(d[0], d[1], d[2], d[3]);
+  } else {
+    *reinterpret_cast<float2*>(&buf.decay[lane * PC]) = make_float2(d[0], d[1]);
+  }
+  const float x = bf16_bits_lo(t.beta);
+  return a.beta_sigmoid ? fast_rcp(1.f + fast_exp2(-x * kLog2e)) : x;
+}
+
 template <int D>
 __device__ __forceinline__ float prep_fixed_token(const DecodeArgs& a, const FixedTokenBits<D>& t, float expA,
                                                   const float (&dtb)[D / 32], TokenBuf<D>& buf, int lane) {
@@ -157,6 +184,52 @@ __device__ __forceinline__ float prep_fixed_token(const DecodeArgs& a, const Fix
   if (lane == 0) buf.kq = kq * qs * ks;
   const float x = bf16_bits_lo(t.beta);
   return a.beta_sigmoid ? fast_rcp(1.f + fast_exp2(-x * kLog2e)) : x;
+}
+
+// One token on kR state rows when T = 1: the thread's q and k columns (the 16 of its rows, loaded by
+// the row group itself, scaled by qs and ks here) stay in registers and their norms and k.q reduce
+// over the row group's LPR lanes; only the decay (D / 32 columns a lane, exchanged through the warp's
+// buffer) is shared.  Same quantities as advance_rows: o = qs (S'q) + u ks qs (k.q), u = b (v - ks S'k).
+template <int D, int kR>
+__device__ __forceinline__ void advance_rows_own_token(float (&s)[kR][16], const float4 (&d4)[4],
+                                                       const float (&q)[16], const float (&k)[16], float qs,
+                                                       float ks, float kq, float b, const float (&v)[kR],
+                                                       float (&o)[kR]) {
+  constexpr int LPR = TokenLayout<D>::kLanesPerRow;
+  float pred[kR], sq[kR];
+#pragma unroll
+  for (int r = 0; r < kR; ++r) {
+    float p0 = 0.f, p1 = 0.f, o0 = 0.f, o1 = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      s[r][4 * i + 0] *= d4[i].x;
+      s[r][4 * i + 1] *= d4[i].y;
+      s[r][4 * i + 2] *= d4[i].z;
+      s[r][4 * i + 3] *= d4[i].w;
+      p0 += s[r][4 * i] * k[4 * i] + s[r][4 * i + 2] * k[4 * i + 2];
+      p1 += s[r][4 * i + 1] * k[4 * i + 1] + s[r][4 * i + 3] * k[4 * i + 3];
+      o0 += s[r][4 * i] * q[4 * i] + s[r][4 * i + 2] * q[4 * i + 2];
+      o1 += s[r][4 * i + 1] * q[4 * i + 1] + s[r][4 * i + 3] * q[4 * i + 3];
+    }
+    pred[r] = p0 + p1;
+    sq[r] = o0 + o1;
+  }
+#pragma unroll
+  for (int off = LPR / 2; off > 0; off >>= 1) {
+#pragma unroll
+    for (int r = 0; r < kR; ++r) {
+      pred[r] += __shfl_xor_sync(0xffffffffu, pred[r], off);
+      sq[r] += __shfl_xor_sync(0xffffffffu, sq[r], off);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kR; ++r) {
+    const float u = b * (v[r] - ks * pred[r]);
+    o[r] = qs * sq[r] + u * ks * qs * kq;
+    const float uk = u * ks;
+#pragma unroll
+    for (int c = 0; c < 16; ++c) s[r][c] += uk * k[c];
+  }
 }
 
 template <int D, bool kF32, int kR>
@@ -220,6 +293,15 @@ __global__ void __launch_bounds__(kFixedThreads, 4)
   const int my_t = T == 1 ? 0 : warp;
   FixedTokenBits<D> bits;
   if (my_t < T) load_fixed_token<D>(a, (n * T + my_t) * a.H + h, lane, bits);
+  uint2 qrow[4], krow[4];  // T = 1: the q, k columns of the thread's state rows (4 bf16 each)
+  if (T == 1) {
+    const int base = (n * a.H + h) * D;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      qrow[i] = *reinterpret_cast<const uint2*>(a.q + base + token_col<D>(j, i));
+      krow[i] = *reinterpret_cast<const uint2*>(a.k + base + token_col<D>(j, i));
+    }
+  }
   uint32_t vb[kR][kFixedMaxTokens];
   const unsigned short* v = reinterpret_cast<const unsigned short*>(a.v);
 #pragma unroll
@@ -253,17 +335,66 @@ __global__ void __launch_bounds__(kFixedThreads, 4)
     }
   }
   const float expA = gated ? expf(a_log) : 0.f;
+  bf16* out = a.out + h * D;
+  if (T == 1) {
+    // One token: every warp its own copy, no block barrier.  The decay is split over the lanes (D / 32
+    // columns each: every lane computing its own 16 would be 4x the SFU work, measured +0.56 us at
+    // batch 1) and exchanged through the warp's buffer; q, k and their norms stay in the row group.
+    const float beta = prep_fixed_decay<D>(a, bits, expA, dtb, sm.tok[warp], lane);
+    float q[16], k[16], sq = 0.f, sk = 0.f, kq = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      q[4 * i] = bf16_bits_lo(qrow[i].x), q[4 * i + 1] = bf16_bits_hi(qrow[i].x);
+      q[4 * i + 2] = bf16_bits_lo(qrow[i].y), q[4 * i + 3] = bf16_bits_hi(qrow[i].y);
+      k[4 * i] = bf16_bits_lo(krow[i].x), k[4 * i + 1] = bf16_bits_hi(krow[i].x);
+      k[4 * i + 2] = bf16_bits_lo(krow[i].y), k[4 * i + 3] = bf16_bits_hi(krow[i].y);
+    }
+#pragma unroll
+    for (int c = 0; c < 16; ++c) sq += q[c] * q[c], sk += k[c] * k[c], kq += q[c] * k[c];
+#pragma unroll
+    for (int off = L::kLanesPerRow / 2; off > 0; off >>= 1) {
+      sq += __shfl_xor_sync(0xffffffffu, sq, off);
+      sk += __shfl_xor_sync(0xffffffffu, sk, off);
+      kq += __shfl_xor_sync(0xffffffffu, kq, off);
+    }
+    float qs = a.scale, ks = 1.f;
+    if (a.l2norm) {
+      qs *= rsqrtf(sq + 1e-6f);
+      ks = rsqrtf(sk + 1e-6f);
+    }
+    __syncwarp();
+    if (err == 0) {
+      if (read < 0) {  // padded request: zero its outputs, touch no state
+#pragma unroll
+        for (int r = 0; r < kR; ++r)
+          if (j == 0) out[n * head_rows + vrow[r]] = __float2bfloat16_rn(0.f);
+      } else {
+        float4 d4[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          d4[i] = *reinterpret_cast<const float4*>(&sm.tok[warp].decay[token_col<D>(j, i)]);
+        float vt[kR], o[kR];
+#pragma unroll
+        for (int r = 0; r < kR; ++r) vt[r] = bf16_bits_lo(vb[r][0]);
+        advance_rows_own_token<D, kR>(s, d4, q, k, qs, ks, kq, beta, vt, o);
+        const int64_t w = a.spec ? wslot[0] : read;
+#pragma unroll
+        for (int r = 0; r < kR; ++r) {
+          if (j == 0) out[n * head_rows + vrow[r]] = __float2bfloat16_rn(o[r]);
+          if (w >= 0) store_state_row<D, kF32>(pool + (w * head_rows + h * D + vrow[r]) * D, j, s[r]);
+        }
+      }
+    }
+    if (tid == 0) write_decode_error_words(a, err);
+    return;
+  }
+  // Several tokens: warp t preprocesses token t, one block barrier publishes them.
   float beta = 0.f;
   if (my_t < T) beta = prep_fixed_token<D>(a, bits, expA, dtb, sm.tok[warp], lane);  // same in every lane
   if (lane == 0) sm.beta[warp] = beta;
-  if (T == 1) {
-    __syncwarp();
-  } else {
-    __syncthreads();  // tokens by warp: publish them to every warp
-  }
+  __syncthreads();
 
   if (err == 0) {
-    bf16* out = a.out + h * D;
     if (read < 0) {  // padded request: zero its outputs, touch no state
       if (j == 0) {
         for (int t = 0; t < T; ++t) {
@@ -275,11 +406,10 @@ __global__ void __launch_bounds__(kFixedThreads, 4)
 #pragma unroll
       for (int t = 0; t < kFixedMaxTokens; ++t) {
         if (t >= T) break;
-        const int src = T == 1 ? warp : t;
         float vt[kR], o[kR];
 #pragma unroll
         for (int q = 0; q < kR; ++q) vt[q] = bf16_bits_lo(vb[q][t]);
-        advance_rows<D, kR>(s, sm.tok[src], j, T == 1 ? beta : sm.beta[t], vt, o);
+        advance_rows<D, kR>(s, sm.tok[t], j, sm.beta[t], vt, o);
 #pragma unroll
         for (int q = 0; q < kR; ++q) {
           if (j == 0) out[(n * T + t) * head_rows + vrow[q]] = __float2bfloat16_rn(o[q]);
