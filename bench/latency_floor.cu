@@ -84,18 +84,12 @@ struct LeanArgsPadded {  // 512 bytes, the fields spread over it like a large ar
   char pad[512 - sizeof(LeanArgs)];
 };
 
-__device__ __forceinline__ float bf_lo(uint32_t w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float rcp(float x) {
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
+// The library's bit-level helpers (kda_common.cuh, kda_decode_latency.cuh), so that the rungs do the
+// same instructions as the kernels.
+using flashkda::sm90::bf16_bits_hi;
+using flashkda::sm90::bf16_bits_lo;
+using flashkda::sm90::fast_exp2;
+using flashkda::sm90::fast_rcp;
 
 template <int kMode>  // bits: 1 sync + 1024 error words, 2 constant decay (no gate SFU work), 4 split prep,
                       // 8 no output store, 16 ~48 KB of never-taken code between the loads and the math
@@ -149,17 +143,18 @@ __device__ __forceinline__ void lean_step(const LeanArgs& a, int pdl) {
     const float c1 = -__expf(alog) * 1.4426950408889634f, lb2 = a.lower_bound * 1.4426950408889634f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      q[4 * i] = bf_lo(qb[i].x), q[4 * i + 1] = bf_hi(qb[i].x), q[4 * i + 2] = bf_lo(qb[i].y),
-            q[4 * i + 3] = bf_hi(qb[i].y);
-      k[4 * i] = bf_lo(kb[i].x), k[4 * i + 1] = bf_hi(kb[i].x), k[4 * i + 2] = bf_lo(kb[i].y),
-            k[4 * i + 3] = bf_hi(kb[i].y);
+      q[4 * i] = bf16_bits_lo(qb[i].x), q[4 * i + 1] = bf16_bits_hi(qb[i].x),
+            q[4 * i + 2] = bf16_bits_lo(qb[i].y), q[4 * i + 3] = bf16_bits_hi(qb[i].y);
+      k[4 * i] = bf16_bits_lo(kb[i].x), k[4 * i + 1] = bf16_bits_hi(kb[i].x),
+            k[4 * i + 2] = bf16_bits_lo(kb[i].y), k[4 * i + 3] = bf16_bits_hi(kb[i].y);
       if constexpr ((kMode & 4) == 0) {
-        const float gg[4] = {bf_lo(gb[i].x), bf_hi(gb[i].x), bf_lo(gb[i].y), bf_hi(gb[i].y)};
+        const float gg[4] = {bf16_bits_lo(gb[i].x), bf16_bits_hi(gb[i].x), bf16_bits_lo(gb[i].y),
+                             bf16_bits_hi(gb[i].y)};
         const float dd[4] = {db[i].x, db[i].y, db[i].z, db[i].w};
 #pragma unroll
         for (int c = 0; c < 4; ++c)
-          d[4 * i + c] =
-              (kMode & 2) ? 0.99f + 1e-3f * gg[c] : ex2(lb2 * rcp(1.f + ex2(c1 * (gg[c] + dd[c]))));
+          d[4 * i + c] = (kMode & 2) ? 0.99f + 1e-3f * gg[c]
+                                     : fast_exp2(lb2 * fast_rcp(1.f + fast_exp2(c1 * (gg[c] + dd[c]))));
       }
     }
     if constexpr ((kMode & 4) != 0) {
@@ -168,13 +163,13 @@ __device__ __forceinline__ void lean_step(const LeanArgs& a, int pdl) {
       __shared__ __align__(16) float dsm[4][128];
       const uint2 g4 = *reinterpret_cast<const uint2*>(a.g + tok + 4 * lane);
       const float4 b4 = *reinterpret_cast<const float4*>(a.dt_bias + h * D + 4 * lane);
-      const float gg[4] = {bf_lo(g4.x), bf_hi(g4.x), bf_lo(g4.y), bf_hi(g4.y)};
+      const float gg[4] = {bf16_bits_lo(g4.x), bf16_bits_hi(g4.x), bf16_bits_lo(g4.y), bf16_bits_hi(g4.y)};
       const float dd[4] = {b4.x, b4.y, b4.z, b4.w};
       float4 r;
-      r.x = ex2(lb2 * rcp(1.f + ex2(c1 * (gg[0] + dd[0]))));
-      r.y = ex2(lb2 * rcp(1.f + ex2(c1 * (gg[1] + dd[1]))));
-      r.z = ex2(lb2 * rcp(1.f + ex2(c1 * (gg[2] + dd[2]))));
-      r.w = ex2(lb2 * rcp(1.f + ex2(c1 * (gg[3] + dd[3]))));
+      r.x = fast_exp2(lb2 * fast_rcp(1.f + fast_exp2(c1 * (gg[0] + dd[0]))));
+      r.y = fast_exp2(lb2 * fast_rcp(1.f + fast_exp2(c1 * (gg[1] + dd[1]))));
+      r.z = fast_exp2(lb2 * fast_rcp(1.f + fast_exp2(c1 * (gg[2] + dd[2]))));
+      r.w = fast_exp2(lb2 * fast_rcp(1.f + fast_exp2(c1 * (gg[3] + dd[3]))));
       *reinterpret_cast<float4*>(&dsm[warp][4 * lane]) = r;
       __syncwarp();
 #pragma unroll
@@ -192,7 +187,7 @@ __device__ __forceinline__ void lean_step(const LeanArgs& a, int pdl) {
       kq += __shfl_xor_sync(0xffffffffu, kq, o);
     }
     const float qs = a.scale * rsqrtf(sq + 1e-6f), ks = rsqrtf(sk + 1e-6f);
-    const float beta = rcp(1.f + __expf(-bf_lo(betab)));
+    const float beta = fast_rcp(1.f + __expf(-bf16_bits_lo(betab)));
     float pred = 0.f, sqo = 0.f;
 #pragma unroll
     for (int c = 0; c < 16; ++c) {
@@ -205,7 +200,7 @@ __device__ __forceinline__ void lean_step(const LeanArgs& a, int pdl) {
       pred += __shfl_xor_sync(0xffffffffu, pred, o);
       sqo += __shfl_xor_sync(0xffffffffu, sqo, o);
     }
-    const float u = beta * (bf_lo(vbits) - pred * ks);
+    const float u = beta * (bf16_bits_lo(vbits) - pred * ks);
     const float out = sqo * qs + u * kq * ks * qs;
     if (ok) {
       float* wrow = a.pool + ((static_cast<size_t>(slot) * a.H + h) * D + row) * D;

@@ -1,27 +1,26 @@
-// decode_fixed_layout_kernel: decode / speculative decode of a few requests in the fixed layout
-// (q, k, v, g, beta [N, T, H, ...], no cu_seqlens, no token_rows, 1 <= T <= 4 tokens a request): the
-// serving engines' decode step.  Like decode_latency_kernel (kda_decode_latency.cuh) a call is one
-// chain of dependent round trips, [wait] -> read slot -> state -> math -> stores -> [grid done], but
-// this kernel has no block barrier and no shared buffer between warps on that chain:
-//   - a request's tokens start at n T (fixed layout), so the token rows are loaded beside the read
-//     slot, with no span lookup;
-//   - every warp preprocesses all T tokens itself (lane l: D / 32 columns, l2 norms by shuffles) into
-//     its own shared buffers, published by __syncwarp.  The work is 4x redundant over the warps,
-//     but it overlaps the state load, and the warps never wait for each other;
-//   - the request's checks (read slot, every index entry) are loaded by every thread, so the error code
-//     is the same in the whole block without a reduction, and thread 0 writes the block's error words.
-// Measured in bench/latency_floor.cu (H200, batch 1, H16, fp32 pool, per call in a graph of 20): a
-// step written this way runs at the floor of the bare index -> state -> store chain (1.71 us), where
-// the latency kernel takes 3.42 us; the preprocessing must be split over the lanes (D / 32 columns a
-// lane): each lane computing the 16 state columns it needs itself (4x the SFU work) costs 0.56 us.
+// decode_fixed_layout_kernel: decode / speculative decode of a few requests in the serving engines'
+// canonical layout (q, k, v, g, out contiguous [N, T, H, D], beta [N, T, H], 1 <= T <= 4 tokens a
+// request, bf16 g and beta, int32 indices; fixed_layout_call).  Like decode_latency_kernel
+// (kda_decode_latency.cuh, whose grid and launch it shares) a call is one chain of dependent round
+// trips, [wait] -> read slot -> state -> math -> stores -> [grid done]; at batch 1 each scheduler runs
+// one warp, so every instruction on that chain is exposed latency, and this kernel keeps the chain's
+// executed path short:
+//   - 32-bit token offsets and no layout or dtype branches (a request's tokens start at n T);
+//   - T = 1: no block barrier.  Every warp preprocesses the token itself: q and k of the thread's own
+//     16 columns stay in registers with their norms over the row's lanes; only the decay is split
+//     over the lanes (D / 32 columns each) and exchanged through the warp's buffer;
+//   - T > 1: warp t preprocesses token t (D / 32 columns a lane), one block barrier publishes them;
+//   - the request's checks (read slot, every index entry) are loaded by every thread, so the error
+//     code is the same in the whole block without a reduction, and thread 0 writes the error words.
+// Measured in bench/latency_floor.cu (H200, batch 1, H16, fp32 pool, per call in a graph of 20): the
+// bare index -> state -> store chain 1.7 us, a whole step written with nothing else 1.70 us (2.27 us
+// when each lane computes the decay of its own 16 columns: 4x the SFU work), the latency kernel 3.4 us,
+// this kernel 2.41 us (perf-notes d9).
 //
-// Grid: one block per (request, head, row slice) (kRowsPerBlock = kR x 4 warps x 32 / (D / 16) rows;
-// D = 128: 16 rows, kR = 2: 32), then ceil(N / 4) checker blocks (pool-row conflicts, off the state
-// blocks' chain; a call with conflicts has unspecified rows and reports kStateSlotConflict), at most
-// kDecodeErrorSlots blocks in all.  State block: 4 warps, no roles; each thread holds 16 columns of
-// kR state rows in registers (kda_token_recurrence.cuh layout) and runs the tokens with advance_rows.
-// Shared memory: 4 warps x 4 tokens of TokenBuf (24.8 KB at D = 128).
-// Registers: T tokens' raw bits (9 a token at D = 128) + 16 kR state + the write slots.
+// Grid: LatencyLayout (one block per (request, head, row slice), then ceil(N / 4) checker blocks for
+// the pool-row conflicts, at most kDecodeErrorSlots blocks).  State block: 4 warps, no roles; each
+// thread holds 16 columns of kR state rows in registers (kda_token_recurrence.cuh layout).
+// Shared memory: 4 TokenBuf (6.2 KB at D = 128).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -33,36 +32,18 @@
 namespace flashkda {
 namespace sm90 {
 
-constexpr int kFixedWarps = 4;
-constexpr int kFixedThreads = kFixedWarps * 32;
-constexpr int kFixedMaxTokens = 4;  // tokens a request (spec decode: 1 + 3 drafts)
-
+constexpr int kFixedMaxTokens = kLatencyWarps;  // tokens a request (spec decode: 1 + 3 drafts), one a warp
 template <int D, int kR>
-struct FixedLayout {
-  static_assert(kR == 1 || kR == 2, "state rows per thread");
-  static constexpr int kLanesPerRow = TokenLayout<D>::kLanesPerRow;
-  static constexpr int kRowsPerWarp = 32 / kLanesPerRow;
-  static constexpr int kRowsPerBlock = kR * kFixedWarps * kRowsPerWarp;
-  static constexpr int kSlices = D / kRowsPerBlock;
-  static_assert(D % kRowsPerBlock == 0, "row slices tile the state");
-  __device__ static int row(int slice, int r, int warp, int lane) {
-    return slice * kRowsPerBlock + r * (kRowsPerBlock / kR) + warp * kRowsPerWarp + lane / kLanesPerRow;
-  }
-  static int64_t state_blocks(int64_t N, int64_t H) { return N * H * kSlices; }
-  static int64_t grid(int64_t N, int64_t H) {
-    return state_blocks(N, H) + (N + kFixedWarps - 1) / kFixedWarps;
-  }
-};
+using FixedLayout = LatencyLayout<D, kR>;  // the same grid as the latency kernel
 
 template <int D>
 struct FixedSmem {
   // Preprocessed tokens: T = 1, warp w's own copy in tok[w]; T > 1, token t (by warp t) in tok[t].
-  TokenBuf<D> tok[kFixedWarps];
-  float beta[kFixedWarps];  // b of tok[w]
-  int err;                  // checker blocks' reduction
-  uint32_t param_touch;     // touch_decode_params' sum (never read)
+  TokenBuf<D> tok[kLatencyWarps];
+  float beta[kLatencyWarps];  // b of tok[w]
+  int err;                    // checker blocks' reduction
+  uint32_t param_touch;       // touch_decode_params' sum (never read)
 };
-static_assert(kFixedMaxTokens <= kFixedWarps, "one token a warp");
 
 // Whether a call can run on the fixed-layout kernel (host side; the grid size is checked separately):
 // the serving engines' canonical decode tensors, so that the kernel's executed path has no runtime
@@ -89,8 +70,10 @@ struct FixedTokenBits {
   uint32_t beta;
 };
 
+// Loads one token's bits for one lane; q and k only when `with_qk` (T = 1 loads the thread's own
+// columns of q and k instead, in the row-group layout).
 template <int D>
-__device__ __forceinline__ void load_fixed_token(const DecodeArgs& a, int tok_head, int lane,
+__device__ __forceinline__ void load_fixed_token(const DecodeArgs& a, int tok_head, int lane, bool with_qk,
                                                  FixedTokenBits<D>& t) {
   constexpr int P = FixedTokenBits<D>::kPairs;
   const int off = tok_head * D + lane * 2 * P;  // 32-bit: checked by fixed_layout_call
@@ -98,20 +81,33 @@ __device__ __forceinline__ void load_fixed_token(const DecodeArgs& a, int tok_he
   const uint32_t* k = reinterpret_cast<const uint32_t*>(a.k + off);
   const uint32_t* g = reinterpret_cast<const uint32_t*>(static_cast<const bf16*>(a.g) + off);
   if constexpr (P == 2) {
-    const uint2 qq = *reinterpret_cast<const uint2*>(q), kk = *reinterpret_cast<const uint2*>(k),
-                gg = *reinterpret_cast<const uint2*>(g);
-    t.q[0] = qq.x, t.q[1] = qq.y, t.k[0] = kk.x, t.k[1] = kk.y, t.g[0] = gg.x, t.g[1] = gg.y;
+    const uint2 gg = *reinterpret_cast<const uint2*>(g);
+    t.g[0] = gg.x, t.g[1] = gg.y;
+    if (with_qk) {
+      const uint2 qq = *reinterpret_cast<const uint2*>(q), kk = *reinterpret_cast<const uint2*>(k);
+      t.q[0] = qq.x, t.q[1] = qq.y, t.k[0] = kk.x, t.k[1] = kk.y;
+    }
   } else {
-    t.q[0] = q[0], t.k[0] = k[0], t.g[0] = g[0];
+    t.g[0] = g[0];
+    if (with_qk) t.q[0] = q[0], t.k[0] = k[0];
   }
   t.beta = static_cast<const unsigned short*>(a.beta)[tok_head];
 }
 
-// Preprocesses one token into `buf` (spec section 2; the same quantities as preprocess_token<D, true>):
-// lane l owns columns 2 P l .. 2 P l + 2 P - 1, the norms and k.q reduce over the warp.  The bounded gate
-// is folded as in chunk_prepare: log2 decay = lb2 / (1 + 2^(c1 (g + dt_bias))), c1 = -exp(A_log) log2 e,
-// lb2 = lower_bound log2 e (one FFMA, two SFU ops and an FMUL a column).  Returns beta.
-// The decay of the lane's D / 32 columns into buf.decay, and beta (T = 1 path).
+// Stores a lane's PC = D / 32 consecutive columns (times `scale`) as one float4 or float2.
+template <int PC>
+__device__ __forceinline__ void store_lane_columns(float* p, const float (&x)[PC], float scale) {
+  static_assert(PC == 2 || PC == 4, "columns per lane");
+  if constexpr (PC == 4) {
+    *reinterpret_cast<float4*>(p) = make_float4(x[0] * scale, x[1] * scale, x[2] * scale, x[3] * scale);
+  } else {
+    *reinterpret_cast<float2*>(p) = make_float2(x[0] * scale, x[1] * scale);
+  }
+}
+
+// The decay of the lane's D / 32 columns into buf.decay, and beta (returned).  The bounded gate is
+// folded as in chunk_prepare: log2 decay = lb2 / (1 + 2^(c1 (g + dt_bias))), c1 = -exp(A_log) log2 e,
+// lb2 = lower_bound log2 e (one FFMA, two SFU ops and an FMUL a column).
 template <int D>
 __device__ __forceinline__ float prep_fixed_decay(const DecodeArgs& a, const FixedTokenBits<D>& t, float expA,
                                                   const float (&dtb)[D / 32], TokenBuf<D>& buf, int lane) {
@@ -129,34 +125,25 @@ __device__ __forceinline__ float prep_fixed_decay(const DecodeArgs& a, const Fix
                  : fast_exp2(gate_log_decay(a.gate_mode, g2[c], expA, dtb[e], a.lower_bound) * kLog2e);
     }
   }
-  if constexpr (PC == 4) {
-    *reinterpret_cast<float4*>(&buf.decay[lane * PC]) = make_float4(d[0], d[1], d[2], d[3]);
-  } else {
-    *reinterpret_cast<float2*>(&buf.decay[lane * PC]) = make_float2(d[0], d[1]);
-  }
+  store_lane_columns<PC>(&buf.decay[lane * PC], d, 1.f);
   const float x = bf16_bits_lo(t.beta);
   return a.beta_sigmoid ? fast_rcp(1.f + fast_exp2(-x * kLog2e)) : x;
 }
 
+// Preprocesses one whole token into `buf` (T > 1; the same quantities as preprocess_token<D, true>):
+// the decay and beta as prep_fixed_decay, and q, k of the lane's D / 32 columns with their norms and
+// k.q reduced over the warp.  Returns beta.
 template <int D>
 __device__ __forceinline__ float prep_fixed_token(const DecodeArgs& a, const FixedTokenBits<D>& t, float expA,
                                                   const float (&dtb)[D / 32], TokenBuf<D>& buf, int lane) {
   constexpr int P = FixedTokenBits<D>::kPairs, PC = 2 * P;
-  float q[PC], k[PC], d[PC];
+  const float beta = prep_fixed_decay<D>(a, t, expA, dtb, buf, lane);
+  float q[PC], k[PC];
   float sq = 0.f, sk = 0.f, kq = 0.f;
-  const float c1 = -expA * kLog2e, lb2 = a.lower_bound * kLog2e;
 #pragma unroll
   for (int i = 0; i < P; ++i) {
     q[2 * i] = bf16_bits_lo(t.q[i]), q[2 * i + 1] = bf16_bits_hi(t.q[i]);
     k[2 * i] = bf16_bits_lo(t.k[i]), k[2 * i + 1] = bf16_bits_hi(t.k[i]);
-    const float g2[2] = {bf16_bits_lo(t.g[i]), bf16_bits_hi(t.g[i])};
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const int e = 2 * i + c;
-      d[e] = a.gate_mode == kGateBounded
-                 ? fast_exp2(lb2 * fast_rcp(1.f + fast_exp2(c1 * (g2[c] + dtb[e]))))
-                 : fast_exp2(gate_log_decay(a.gate_mode, g2[c], expA, dtb[e], a.lower_bound) * kLog2e);
-    }
   }
 #pragma unroll
   for (int e = 0; e < PC; ++e) sq += q[e] * q[e], sk += k[e] * k[e], kq += q[e] * k[e];
@@ -171,70 +158,15 @@ __device__ __forceinline__ float prep_fixed_token(const DecodeArgs& a, const Fix
     qs *= rsqrtf(sq + 1e-6f);  // x / sqrt(sum x^2 + 1e-6), as the other kernels
     ks = rsqrtf(sk + 1e-6f);
   }
-  const int c0 = lane * PC;
-  if constexpr (PC == 4) {
-    *reinterpret_cast<float4*>(&buf.q[c0]) = make_float4(q[0] * qs, q[1] * qs, q[2] * qs, q[3] * qs);
-    *reinterpret_cast<float4*>(&buf.k[c0]) = make_float4(k[0] * ks, k[1] * ks, k[2] * ks, k[3] * ks);
-    *reinterpret_cast<float4*>(&buf.decay[c0]) = make_float4(d[0], d[1], d[2], d[3]);
-  } else {
-    *reinterpret_cast<float2*>(&buf.q[c0]) = make_float2(q[0] * qs, q[1] * qs);
-    *reinterpret_cast<float2*>(&buf.k[c0]) = make_float2(k[0] * ks, k[1] * ks);
-    *reinterpret_cast<float2*>(&buf.decay[c0]) = make_float2(d[0], d[1]);
-  }
+  store_lane_columns<PC>(&buf.q[lane * PC], q, qs);
+  store_lane_columns<PC>(&buf.k[lane * PC], k, ks);
   if (lane == 0) buf.kq = kq * qs * ks;
-  const float x = bf16_bits_lo(t.beta);
-  return a.beta_sigmoid ? fast_rcp(1.f + fast_exp2(-x * kLog2e)) : x;
-}
-
-// One token on kR state rows when T = 1: the thread's q and k columns (the 16 of its rows, loaded by
-// the row group itself, scaled by qs and ks here) stay in registers and their norms and k.q reduce
-// over the row group's LPR lanes; only the decay (D / 32 columns a lane, exchanged through the warp's
-// buffer) is shared.  Same quantities as advance_rows: o = qs (S'q) + u ks qs (k.q), u = b (v - ks S'k).
-template <int D, int kR>
-__device__ __forceinline__ void advance_rows_own_token(float (&s)[kR][16], const float4 (&d4)[4],
-                                                       const float (&q)[16], const float (&k)[16], float qs,
-                                                       float ks, float kq, float b, const float (&v)[kR],
-                                                       float (&o)[kR]) {
-  constexpr int LPR = TokenLayout<D>::kLanesPerRow;
-  float pred[kR], sq[kR];
-#pragma unroll
-  for (int r = 0; r < kR; ++r) {
-    float p0 = 0.f, p1 = 0.f, o0 = 0.f, o1 = 0.f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      s[r][4 * i + 0] *= d4[i].x;
-      s[r][4 * i + 1] *= d4[i].y;
-      s[r][4 * i + 2] *= d4[i].z;
-      s[r][4 * i + 3] *= d4[i].w;
-      p0 += s[r][4 * i] * k[4 * i] + s[r][4 * i + 2] * k[4 * i + 2];
-      p1 += s[r][4 * i + 1] * k[4 * i + 1] + s[r][4 * i + 3] * k[4 * i + 3];
-      o0 += s[r][4 * i] * q[4 * i] + s[r][4 * i + 2] * q[4 * i + 2];
-      o1 += s[r][4 * i + 1] * q[4 * i + 1] + s[r][4 * i + 3] * q[4 * i + 3];
-    }
-    pred[r] = p0 + p1;
-    sq[r] = o0 + o1;
-  }
-#pragma unroll
-  for (int off = LPR / 2; off > 0; off >>= 1) {
-#pragma unroll
-    for (int r = 0; r < kR; ++r) {
-      pred[r] += __shfl_xor_sync(0xffffffffu, pred[r], off);
-      sq[r] += __shfl_xor_sync(0xffffffffu, sq[r], off);
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < kR; ++r) {
-    const float u = b * (v[r] - ks * pred[r]);
-    o[r] = qs * sq[r] + u * ks * qs * kq;
-    const float uk = u * ks;
-#pragma unroll
-    for (int c = 0; c < 16; ++c) s[r][c] += uk * k[c];
-  }
+  return beta;
 }
 
 template <int D, bool kF32, int kR>
 // 4 blocks a SM: a 128-register cap.
-__global__ void __launch_bounds__(kFixedThreads, 4)
+__global__ void __launch_bounds__(kLatencyThreads, 4)
     decode_fixed_layout_kernel(const __grid_constant__ DecodeArgs a, const int64_t state_blocks) {
   using L = FixedLayout<D, kR>;
   using StateT = typename std::conditional<kF32, float, bf16>::type;
@@ -246,17 +178,12 @@ __global__ void __launch_bounds__(kFixedThreads, 4)
     *reinterpret_cast<volatile uint32_t*>(&sm.param_touch) = touch_decode_params(a);
   }
   __syncthreads();
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  decode_wait_previous_kernel();
 
   const int b = static_cast<int>(blockIdx.x);  // < kDecodeErrorSlots
   if (b >= state_blocks) {
     // ---------------------------------------------------------------- checker block
-    int err = 0;
-    const int64_t stride = (static_cast<int64_t>(gridDim.x) - state_blocks) * kFixedWarps;
-    for (int64_t n = (b - state_blocks) * kFixedWarps + warp; n < a.N; n += stride) {
-      if (decode_request_conflicts(a, n, lane)) err = static_cast<int>(DeviceError::kStateSlotConflict);
-    }
+    const int err = one_wave_checker_error(a, b, state_blocks, warp, lane);
     if (err != 0) atomicCAS(&sm.err, 0, err);
     __syncthreads();
     if (tid == 0) write_decode_error_words(a, sm.err);
@@ -292,7 +219,7 @@ __global__ void __launch_bounds__(kFixedThreads, 4)
   for (int i = 0; i < PC; ++i) dtb[i] = gated ? a.dt_bias[h * D + lane * PC + i] : 0.f;
   const int my_t = T == 1 ? 0 : warp;
   FixedTokenBits<D> bits;
-  if (my_t < T) load_fixed_token<D>(a, (n * T + my_t) * a.H + h, lane, bits);
+  if (my_t < T) load_fixed_token<D>(a, (n * T + my_t) * a.H + h, lane, T > 1, bits);
   uint2 qrow[4], krow[4];  // T = 1: the q, k columns of the thread's state rows (4 bf16 each)
   if (T == 1) {
     const int base = (n * a.H + h) * D;
@@ -341,16 +268,18 @@ __global__ void __launch_bounds__(kFixedThreads, 4)
     // columns each: every lane computing its own 16 would be 4x the SFU work, measured +0.56 us at
     // batch 1) and exchanged through the warp's buffer; q, k and their norms stay in the row group.
     const float beta = prep_fixed_decay<D>(a, bits, expA, dtb, sm.tok[warp], lane);
-    float q[16], k[16], sq = 0.f, sk = 0.f, kq = 0.f;
+    float4 q4[4], k4[4];  // unscaled: qs and ks are applied after the reductions
+    float sq = 0.f, sk = 0.f, kq = 0.f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      q[4 * i] = bf16_bits_lo(qrow[i].x), q[4 * i + 1] = bf16_bits_hi(qrow[i].x);
-      q[4 * i + 2] = bf16_bits_lo(qrow[i].y), q[4 * i + 3] = bf16_bits_hi(qrow[i].y);
-      k[4 * i] = bf16_bits_lo(krow[i].x), k[4 * i + 1] = bf16_bits_hi(krow[i].x);
-      k[4 * i + 2] = bf16_bits_lo(krow[i].y), k[4 * i + 3] = bf16_bits_hi(krow[i].y);
-    }
+      q4[i] = make_float4(bf16_bits_lo(qrow[i].x), bf16_bits_hi(qrow[i].x), bf16_bits_lo(qrow[i].y),
+                          bf16_bits_hi(qrow[i].y));
+      k4[i] = make_float4(bf16_bits_lo(krow[i].x), bf16_bits_hi(krow[i].x), bf16_bits_lo(krow[i].y),
+                          bf16_bits_hi(krow[i].y));
+      const float qc[4] = {q4[i].x, q4[i].y, q4[i].z, q4[i].w}, kc[4] = {k4[i].x, k4[i].y, k4[i].z, k4[i].w};
 #pragma unroll
-    for (int c = 0; c < 16; ++c) sq += q[c] * q[c], sk += k[c] * k[c], kq += q[c] * k[c];
+      for (int c = 0; c < 4; ++c) sq += qc[c] * qc[c], sk += kc[c] * kc[c], kq += qc[c] * kc[c];
+    }
 #pragma unroll
     for (int off = L::kLanesPerRow / 2; off > 0; off >>= 1) {
       sq += __shfl_xor_sync(0xffffffffu, sq, off);
@@ -376,7 +305,7 @@ __global__ void __launch_bounds__(kFixedThreads, 4)
         float vt[kR], o[kR];
 #pragma unroll
         for (int r = 0; r < kR; ++r) vt[r] = bf16_bits_lo(vb[r][0]);
-        advance_rows_own_token<D, kR>(s, d4, q, k, qs, ks, kq, beta, vt, o);
+        advance_rows_columns<D, kR>(s, d4, k4, q4, qs, ks, kq, beta, vt, o);
         const int64_t w = a.spec ? wslot[0] : read;
 #pragma unroll
         for (int r = 0; r < kR; ++r) {
@@ -429,26 +358,17 @@ __global__ void __launch_bounds__(kFixedThreads, 4)
   if (tid == 0) write_decode_error_words(a, err);
 }
 
-// The fixed-layout kernel's rows per thread for this call: 1 when its grid fits one error word per
-// block, else 2, else 0 (not this kernel).
+// The fixed-layout kernel's rows per thread for this call: as the latency kernel's (same grid), or 0
+// when the call is not in the canonical layout.
 template <int D>
 int fixed_rows_per_thread(const DecodeArgs& a) {
-  if (!fixed_layout_call(a, D)) return 0;
-  if (FixedLayout<D, 1>::grid(a.N, a.H) <= kDecodeErrorSlots) return 1;
-  if (FixedLayout<D, 2>::grid(a.N, a.H) <= kDecodeErrorSlots) return 2;
-  return 0;
+  return fixed_layout_call(a, D) ? latency_rows_per_thread<D>(a) : 0;
 }
 
 template <int D, bool kF32, int kR>
 Status launch_decode_fixed_layout(const DecodeArgs& a, bool pdl, cudaStream_t stream) {
-  using L = FixedLayout<D, kR>;
-  const int64_t grid = L::grid(a.N, a.H);
-  if (grid < 1 || grid > kDecodeErrorSlots) {
-    return Status::invalid("flashkda: decode fixed-layout kernel: expected at most " +
-                           std::to_string(kDecodeErrorSlots) + " blocks, got " + std::to_string(grid));
-  }
-  return launch_decode_grid(decode_fixed_layout_kernel<D, kF32, kR>, grid, kFixedThreads, 0, pdl, stream,
-                            "decode_fixed_layout_kernel launch", a, L::state_blocks(a.N, a.H));
+  return launch_one_wave_decode<D, kR>(decode_fixed_layout_kernel<D, kF32, kR>, "decode_fixed_layout_kernel",
+                                       a, pdl, stream);
 }
 
 // Kernel choice and launch for one head dim and state dtype (see DecodeKernel): kAuto takes the

@@ -58,6 +58,19 @@ struct LatencyLayout {
   }
 };
 
+// Checker block b (>= state_blocks) of a one-wave decode kernel (this one and kda_decode_fixed.cuh):
+// warp w runs the pool-row conflict check of requests 4 c + w, 4 c + w + 4 C, ... (c = b - state
+// blocks, C = the checker blocks); returns kStateSlotConflict if any of them conflicts, else 0.
+__device__ inline int one_wave_checker_error(const DecodeArgs& a, int64_t b, int64_t state_blocks, int warp,
+                                             int lane) {
+  int err = 0;
+  const int64_t stride = (static_cast<int64_t>(gridDim.x) - state_blocks) * kLatencyWarps;
+  for (int64_t n = (b - state_blocks) * kLatencyWarps + warp; n < a.N; n += stride) {
+    if (decode_request_conflicts(a, n, lane)) err = static_cast<int>(DeviceError::kStateSlotConflict);
+  }
+  return err;
+}
+
 template <int D>
 struct LatencySmem {
   TokenBuf<D> tok[kLatencyTokens];  // preprocessed q, k, decay and k.q
@@ -216,19 +229,12 @@ __global__ void __launch_bounds__(kLatencyThreads, 4)
     *reinterpret_cast<volatile uint32_t*>(&sm.param_touch) = touch_decode_params(a);
   }
   __syncthreads();
-  // Programmatic dependent launch: wait for the previous kernel (its writes visible) before any global
-  // access, then let the next kernel start its blocks into the free slots.
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  decode_wait_previous_kernel();
 
   int err = 0;
   const int64_t b = blockIdx.x;
   if (b >= state_blocks) {
-    // ---------------------------------------------------------------- checker block
-    const int64_t stride = (static_cast<int64_t>(gridDim.x) - state_blocks) * kLatencyWarps;
-    for (int64_t n = (b - state_blocks) * kLatencyWarps + warp; n < a.N; n += stride) {
-      if (decode_request_conflicts(a, n, lane)) err = static_cast<int>(DeviceError::kStateSlotConflict);
-    }
+    err = one_wave_checker_error(a, b, state_blocks, warp, lane);
   } else {
     // ---------------------------------------------------------------- state block
     const int64_t per_request = static_cast<int64_t>(a.H) * L::kSlices;
@@ -334,18 +340,25 @@ __global__ void __launch_bounds__(kLatencyThreads, 4)
   if (tid == 0) write_decode_error_words(a, sm.err);
 }
 
-// Launches the latency kernel with kR rows per thread; the caller checked that the grid fits
-// (LatencyLayout::grid <= kDecodeErrorSlots: every block owns an error word).
-template <int D, bool kF32, int kR>
-Status launch_decode_latency(const DecodeArgs& a, bool pdl, cudaStream_t stream) {
+// Launches a one-wave decode kernel (LatencyLayout<D, kR>: this one or the fixed-layout kernel); the
+// caller checked that the grid fits (every block owns an error word).
+template <int D, int kR, class Kernel>
+Status launch_one_wave_decode(Kernel kernel, const char* name, const DecodeArgs& a, bool pdl,
+                              cudaStream_t stream) {
   using L = LatencyLayout<D, kR>;
   const int64_t grid = L::grid(a.N, a.H);
   if (grid < 1 || grid > kDecodeErrorSlots) {
-    return Status::invalid("flashkda: decode latency kernel: expected at most " +
+    return Status::invalid(std::string("flashkda: ") + name + ": expected at most " +
                            std::to_string(kDecodeErrorSlots) + " blocks, got " + std::to_string(grid));
   }
-  return launch_decode_grid(decode_latency_kernel<D, kF32, kR>, grid, kLatencyThreads, 0, pdl, stream,
-                            "decode_latency_kernel launch", a, L::state_blocks(a.N, a.H));
+  return launch_decode_grid(kernel, grid, kLatencyThreads, 0, pdl, stream, name, a,
+                            L::state_blocks(a.N, a.H));
+}
+
+template <int D, bool kF32, int kR>
+Status launch_decode_latency(const DecodeArgs& a, bool pdl, cudaStream_t stream) {
+  return launch_one_wave_decode<D, kR>(decode_latency_kernel<D, kF32, kR>, "decode_latency_kernel", a, pdl,
+                                       stream);
 }
 
 // The latency kernel's row-per-thread count for this call: 1 (the finest slices) when its grid fits,

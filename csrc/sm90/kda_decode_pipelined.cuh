@@ -337,11 +337,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
-  // Programmatic dependent launch: the set-up above overlaps the previous kernel's tail; every
-  // thread waits for it (its writes visible) before touching global memory, and lets the next kernel
-  // launch its own set-up into free SM slots.  Without the launch attribute both are no-ops.
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  decode_wait_previous_kernel();  // the set-up above overlaps the previous kernel's tail
 
   if (warp == kDecodeProducerWarp) {
     // ---------------------------------------------------------------- producer

@@ -188,6 +188,14 @@ __device__ inline uint32_t touch_decode_params(const DecodeArgs& a) {
   return x;
 }
 
+// Programmatic dependent launch, after a decode kernel's set-up: every thread waits for the previous
+// kernel (its writes visible) before touching global memory, then lets the next kernel launch its own
+// set-up into free SM slots.  Without the launch attribute both are no-ops.
+__device__ __forceinline__ void decode_wait_previous_kernel() {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
 // Error words of the decode kernels: the workspace header's kDecodeErrorSlots int32 words.  Every
 // call rewrites all of them (block b: word b its code, words b + G, b + 2G, ... zero, G <= the word
 // count), so no clearing memset precedes a decode kernel and read_device_error reports exactly the

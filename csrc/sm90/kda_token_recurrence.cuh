@@ -191,25 +191,21 @@ __device__ inline float advance_row(float (&s)[16], const TokenBuf<D>& buf, int 
   return out;
 }
 
-// One token on all kR rows of the thread at once: the token's q, k and decay columns are read from
-// shared memory once for every row, and the rows' dot products run interleaved with two partial sums
-// each (independent chains instead of one 16-long dependent chain per row).  o[q] = output of row q.
+// One token on all kR rows of the thread at once, from the token's decay, k and q columns of the
+// thread (token_col order): the rows' dot products run interleaved with two partial sums each
+// (independent chains instead of one 16-long dependent chain per row).  o[r] = output of row r.
 // The output needs no second reduction after the update: with S' = d S (decayed row) and
 // u = b (v - S' k), the new row is S' + u k^T, so o = (S' + u k^T) q = S' q + u (k . q); S' k and S' q
 // reduce together (one shuffle round trip per token instead of two on the dependent chain).
+// k and q may come unscaled, with their scales ks and qs applied after the reduction (kq = k . q of
+// the unscaled columns); callers whose k and q are already scaled pass ks = qs = 1, which the compiler
+// folds away (exact).
 template <int D, int kR>
-__device__ inline void advance_rows(float (&s)[kR][16], const TokenBuf<D>& buf, int j, float b,
-                                    const float (&v)[kR], float (&o)[kR]) {
+__device__ __forceinline__ void advance_rows_columns(float (&s)[kR][16], const float4 (&d4)[4],
+                                                     const float4 (&k4)[4], const float4 (&q4)[4], float qs,
+                                                     float ks, float kq, float b, const float (&v)[kR],
+                                                     float (&o)[kR]) {
   constexpr int LPR = TokenLayout<D>::kLanesPerRow;
-  float4 d4[4], k4[4], q4[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int col = token_col<D>(j, i);
-    d4[i] = *reinterpret_cast<const float4*>(&buf.decay[col]);
-    k4[i] = *reinterpret_cast<const float4*>(&buf.k[col]);
-    q4[i] = *reinterpret_cast<const float4*>(&buf.q[col]);
-  }
-  const float kq = buf.kq;
   float pred[kR], sq[kR];
 #pragma unroll
   for (int q = 0; q < kR; ++q) {
@@ -238,16 +234,33 @@ __device__ inline void advance_rows(float (&s)[kR][16], const TokenBuf<D>& buf, 
   }
 #pragma unroll
   for (int q = 0; q < kR; ++q) {
-    const float u = b * (v[q] - pred[q]);
-    o[q] = sq[q] + u * kq;
+    const float u = b * (v[q] - ks * pred[q]);
+    o[q] = qs * sq[q] + u * ks * qs * kq;
+    const float uk = u * ks;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      s[q][4 * i + 0] += u * k4[i].x;
-      s[q][4 * i + 1] += u * k4[i].y;
-      s[q][4 * i + 2] += u * k4[i].z;
-      s[q][4 * i + 3] += u * k4[i].w;
+      s[q][4 * i + 0] += uk * k4[i].x;
+      s[q][4 * i + 1] += uk * k4[i].y;
+      s[q][4 * i + 2] += uk * k4[i].z;
+      s[q][4 * i + 3] += uk * k4[i].w;
     }
   }
+}
+
+// advance_rows_columns with the token from a shared buffer (scaled q and k, buf.kq): its columns are
+// read once for every row of the thread.
+template <int D, int kR>
+__device__ inline void advance_rows(float (&s)[kR][16], const TokenBuf<D>& buf, int j, float b,
+                                    const float (&v)[kR], float (&o)[kR]) {
+  float4 d4[4], k4[4], q4[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int col = token_col<D>(j, i);
+    d4[i] = *reinterpret_cast<const float4*>(&buf.decay[col]);
+    k4[i] = *reinterpret_cast<const float4*>(&buf.k[col]);
+    q4[i] = *reinterpret_cast<const float4*>(&buf.q[col]);
+  }
+  advance_rows_columns<D, kR>(s, d4, k4, q4, 1.f, 1.f, buf.kq, b, v, o);
 }
 
 // State row I/O: 16 columns of one row, fp32 (four float4) or bf16 (four 8-byte pieces).
