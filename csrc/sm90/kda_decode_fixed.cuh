@@ -15,7 +15,7 @@
 // Measured in bench/latency_floor.cu (H200, batch 1, H16, fp32 pool, per call in a graph of 20): the
 // bare index -> state -> store chain 1.7 us, a whole step written with nothing else 1.70 us (2.27 us
 // when each lane computes the decay of its own 16 columns: 4x the SFU work), the latency kernel 3.4 us,
-// this kernel 2.41 us (perf-notes d9).
+// this kernel 2.41-2.45 us (perf-notes d9).
 //
 // Grid: LatencyLayout (one block per (request, head, row slice), then ceil(N / 4) checker blocks for
 // the pool-row conflicts, at most kDecodeErrorSlots blocks).  State block: 4 warps, no roles; each
