@@ -6,10 +6,14 @@
 // one warp, so every instruction on that chain is exposed latency, and this kernel keeps the chain's
 // executed path short:
 //   - 32-bit token offsets and no layout or dtype branches (a request's tokens start at n T);
-//   - T = 1: no block barrier.  Every warp preprocesses the token itself: q and k of the thread's own
-//     16 columns stay in registers with their norms over the row's lanes; only the decay is split
-//     over the lanes (D / 32 columns each) and exchanged through the warp's buffer;
-//   - T > 1: warp t preprocesses token t (D / 32 columns a lane), one block barrier publishes them;
+//   - plain decode of one token (kPlainOne, its own instantiation with no spec or several-token code):
+//     no block barrier.  Every warp preprocesses the token itself: q and k of the thread's own 16
+//     columns stay in registers with their norms over the row's lanes; only the decay is split over
+//     the lanes (D / 32 columns each) and exchanged through the warp's buffer;
+//   - otherwise (spec decode, or several tokens): warp t preprocesses token t (D / 32 columns a
+//     lane), one block barrier publishes them;
+//   - the checker blocks' code is out of line (fixed_checker_block), so the state blocks' path is
+//     contiguous from the entry, and a plain call of one request has no checker block at all;
 //   - the request's checks (read slot, every index entry) are loaded by every thread, so the error
 //     code is the same in the whole block without a reduction, and thread 0 writes the error words.
 // Measured in bench/latency_floor.cu (H200, batch 1, H16, fp32 pool, per call in a graph of 20): the
@@ -18,7 +22,7 @@
 // this kernel 2.41-2.45 us (perf-notes d9).
 //
 // Grid: LatencyLayout (one block per (request, head, row slice), then ceil(N / 4) checker blocks for
-// the pool-row conflicts, at most kDecodeErrorSlots blocks).  State block: 4 warps, no roles; each
+// the pool-row conflicts, none for plain N = 1; at most kDecodeErrorSlots blocks).  State block: 4 warps, no roles; each
 // thread holds 16 columns of kR state rows in registers (kda_token_recurrence.cuh layout).
 // Shared memory: 4 TokenBuf (6.2 KB at D = 128).
 #pragma once
@@ -112,18 +116,19 @@ template <int D>
 __device__ __forceinline__ float prep_fixed_decay(const DecodeArgs& a, const FixedTokenBits<D>& t, float expA,
                                                   const float (&dtb)[D / 32], TokenBuf<D>& buf, int lane) {
   constexpr int P = FixedTokenBits<D>::kPairs, PC = 2 * P;
-  float d[PC];
-  const float c1 = -expA * kLog2e, lb2 = a.lower_bound * kLog2e;
+  float d[PC], g[PC];
 #pragma unroll
-  for (int i = 0; i < P; ++i) {
-    const float g2[2] = {bf16_bits_lo(t.g[i]), bf16_bits_hi(t.g[i])};
+  for (int i = 0; i < P; ++i) g[2 * i] = bf16_bits_lo(t.g[i]), g[2 * i + 1] = bf16_bits_hi(t.g[i]);
+  // One branch on the mode for all columns (a branch a column puts the other modes' code, ~50
+  // instructions of softplus each, between the bounded gate's columns on the chain).
+  if (__builtin_expect(a.gate_mode == kGateBounded, 1)) {
+    const float c1 = -expA * kLog2e, lb2 = a.lower_bound * kLog2e;
 #pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const int e = 2 * i + c;
-      d[e] = a.gate_mode == kGateBounded
-                 ? fast_exp2(lb2 * fast_rcp(1.f + fast_exp2(c1 * (g2[c] + dtb[e]))))
-                 : fast_exp2(gate_log_decay(a.gate_mode, g2[c], expA, dtb[e], a.lower_bound) * kLog2e);
-    }
+    for (int e = 0; e < PC; ++e) d[e] = fast_exp2(lb2 * fast_rcp(1.f + fast_exp2(c1 * (g[e] + dtb[e]))));
+  } else {
+#pragma unroll
+    for (int e = 0; e < PC; ++e)
+      d[e] = fast_exp2(gate_log_decay(a.gate_mode, g[e], expA, dtb[e], a.lower_bound) * kLog2e);
   }
   store_lane_columns<PC>(&buf.decay[lane * PC], d, 1.f);
   const float x = bf16_bits_lo(t.beta);
@@ -164,7 +169,21 @@ __device__ __forceinline__ float prep_fixed_token(const DecodeArgs& a, const Fix
   return beta;
 }
 
-template <int D, bool kF32, int kR>
+// A checker block of the fixed-layout kernel (see LatencyLayout); out of line, so that the state
+// blocks' code is contiguous from the kernel's entry (the generic conflict check is ~1 K instructions).
+__device__ __noinline__ void fixed_checker_block(const DecodeArgs& a, int b, int64_t state_blocks, int* err_sm) {
+  const int tid = static_cast<int>(threadIdx.x);
+  const int err = one_wave_checker_error(a, b, state_blocks, tid >> 5, tid & 31);
+  if (err != 0) atomicCAS(err_sm, 0, err);
+  __syncthreads();
+  if (tid == 0) write_decode_error_words(a, *err_sm);
+}
+
+// kPlainOne: compiled for plain decode of one token a request (T = 1, 1-D indices: the serving step
+// of every running request), with neither the spec code nor the several-token path in the binary;
+// otherwise T and spec are runtime values and every call takes the several-token path (warp t
+// preprocesses token t, one block barrier), T = 1 included.
+template <int D, bool kF32, int kR, bool kPlainOne, bool kTouch = true>
 // 4 blocks a SM: a 128-register cap.
 __global__ void __launch_bounds__(kLatencyThreads, 4)
     decode_fixed_layout_kernel(const __grid_constant__ DecodeArgs a, const int64_t state_blocks) {
@@ -173,33 +192,37 @@ __global__ void __launch_bounds__(kLatencyThreads, 4)
   constexpr int PC = D / 32;
   __shared__ __align__(16) FixedSmem<D> sm;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  if (tid == 0) {
-    sm.err = 0;
-    *reinterpret_cast<volatile uint32_t*>(&sm.param_touch) = touch_decode_params(a);
+  if constexpr (kTouch) {
+    if (tid == 0) {
+      sm.err = 0;
+      *reinterpret_cast<volatile uint32_t*>(&sm.param_touch) = touch_decode_params(a);
+    }
+    __syncthreads();
+  } else {
+    if (tid == 0) sm.err = 0;  // the checker blocks' barrier comes after
   }
-  __syncthreads();
   decode_wait_previous_kernel();
 
   const int b = static_cast<int>(blockIdx.x);  // < kDecodeErrorSlots
   if (b >= state_blocks) {
-    // ---------------------------------------------------------------- checker block
-    const int err = one_wave_checker_error(a, b, state_blocks, warp, lane);
-    if (err != 0) atomicCAS(&sm.err, 0, err);
-    __syncthreads();
-    if (tid == 0) write_decode_error_words(a, sm.err);
+    fixed_checker_block(a, b, state_blocks, &sm.err);
     return;
   }
 
   // ------------------------------------------------------------------ state block
-  const int per_request = a.H * L::kSlices;
-  const int n = b / per_request;
-  const int h = (b - n * per_request) / L::kSlices;
-  const int slice = b % L::kSlices;
+  // b = (n H + h) kSlices + slice.  n = nh / H through the approximate fp32 reciprocal: the grid fits
+  // one wave (nh < 1024, H <= 256), so (nh + 0.5) / H is at least 1 / 512 from an integer and the
+  // reciprocal and product err by < 1e-3.  An integer division would put ~25 dependent instructions
+  // in front of the first load.
+  const int nh = b / L::kSlices, slice = b % L::kSlices;
+  const int n = static_cast<int>((static_cast<float>(nh) + 0.5f) * fast_rcp(static_cast<float>(a.H)));
+  const int h = nh - n * static_cast<int>(a.H);
   int vrow[kR];
 #pragma unroll
   for (int q = 0; q < kR; ++q) vrow[q] = L::row(slice, q, warp, lane);
   const int j = lane % L::kLanesPerRow;
-  const int T = static_cast<int>(a.T), S = static_cast<int>(a.slots);
+  const int T = kPlainOne ? 1 : static_cast<int>(a.T), S = static_cast<int>(a.slots);
+  const bool spec = !kPlainOne && a.spec;
   const int* idx = static_cast<const int*>(a.idx);
   StateT* pool = static_cast<StateT*>(a.pool);
   const int64_t head_rows = static_cast<int64_t>(a.H) * D;
@@ -208,20 +231,20 @@ __global__ void __launch_bounds__(kLatencyThreads, 4)
   // the read slot's first load, the write slots (spec), the gate parameters, this warp's token (T = 1:
   // every warp preprocesses the token itself; T > 1: warp t preprocesses token t) and the thread's
   // value entries of all T tokens.
-  const int first = a.spec ? static_cast<const int*>(a.num_accepted)[n] : idx[n];
+  const int first = spec ? static_cast<const int*>(a.num_accepted)[n] : idx[n];
   int wslot[kFixedMaxTokens];
 #pragma unroll
-  for (int t = 0; t < kFixedMaxTokens; ++t) wslot[t] = a.spec && t < T && t < S ? idx[n * S + t] : -1;
+  for (int t = 0; t < kFixedMaxTokens; ++t) wslot[t] = spec && t < T && t < S ? idx[n * S + t] : -1;
   const bool gated = a.gate_mode != kGatePrecomputed;
   const float a_log = gated ? a.A_log[h] : 0.f;
   float dtb[PC];
 #pragma unroll
   for (int i = 0; i < PC; ++i) dtb[i] = gated ? a.dt_bias[h * D + lane * PC + i] : 0.f;
-  const int my_t = T == 1 ? 0 : warp;
+  const int my_t = kPlainOne ? 0 : warp;
   FixedTokenBits<D> bits;
-  if (my_t < T) load_fixed_token<D>(a, (n * T + my_t) * a.H + h, lane, T > 1, bits);
-  uint2 qrow[4], krow[4];  // T = 1: the q, k columns of the thread's state rows (4 bf16 each)
-  if (T == 1) {
+  if (my_t < T) load_fixed_token<D>(a, (n * T + my_t) * a.H + h, lane, !kPlainOne, bits);
+  uint2 qrow[4], krow[4];  // kPlainOne: the q, k columns of the thread's state rows (4 bf16 each)
+  if constexpr (kPlainOne) {
     const int base = (n * a.H + h) * D;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -242,7 +265,7 @@ __global__ void __launch_bounds__(kLatencyThreads, 4)
   // (clamped into the pool; used only if every check passes).  Every thread loads and checks the
   // same values, so err is the same in the whole block.
   int err = 0, read = first;
-  if (a.spec) {
+  if (spec) {
     if (first < 1 || first > S) err = static_cast<int>(DeviceError::kBadAcceptedCount);
     read = idx[n * S + (err == 0 ? first - 1 : 0)];
     if (err == 0 && read >= 0 && T > S) err = static_cast<int>(DeviceError::kBadStateIndex);
@@ -256,14 +279,14 @@ __global__ void __launch_bounds__(kLatencyThreads, 4)
       load_state_row<D, kF32>(pool + (r * head_rows + h * D + vrow[q]) * D, j, s[q]);
   }
   // 3. While the state is in flight: the other index entries (spec: all S of the row) and the token.
-  if (a.spec && err == 0) {
+  if (spec && err == 0) {
     for (int e = 0; e < S; ++e) {
       if (idx[n * S + e] >= a.pool_rows) err = static_cast<int>(DeviceError::kBadStateIndex);
     }
   }
   const float expA = gated ? expf(a_log) : 0.f;
   bf16* out = a.out + h * D;
-  if (T == 1) {
+  if constexpr (kPlainOne) {
     // One token: every warp its own copy, no block barrier.  The decay is split over the lanes (D / 32
     // columns each: every lane computing its own 16 would be 4x the SFU work, measured +0.56 us at
     // batch 1) and exchanged through the warp's buffer; q, k and their norms stay in the row group.
@@ -306,7 +329,7 @@ __global__ void __launch_bounds__(kLatencyThreads, 4)
 #pragma unroll
         for (int r = 0; r < kR; ++r) vt[r] = bf16_bits_lo(vb[r][0]);
         advance_rows_columns<D, kR>(s, d4, k4, q4, qs, ks, kq, beta, vt, o);
-        const int64_t w = a.spec ? wslot[0] : read;
+        const int64_t w = spec ? wslot[0] : read;
 #pragma unroll
         for (int r = 0; r < kR; ++r) {
           if (j == 0) out[n * head_rows + vrow[r]] = __float2bfloat16_rn(o[r]);
@@ -315,8 +338,7 @@ __global__ void __launch_bounds__(kLatencyThreads, 4)
       }
     }
     if (tid == 0) write_decode_error_words(a, err);
-    return;
-  }
+  } else {
   // Several tokens: warp t preprocesses token t, one block barrier publishes them.
   float beta = 0.f;
   if (my_t < T) beta = prep_fixed_token<D>(a, bits, expA, dtb, sm.tok[warp], lane);  // same in every lane
@@ -347,7 +369,7 @@ __global__ void __launch_bounds__(kLatencyThreads, 4)
                 pool + (static_cast<int64_t>(wslot[t]) * head_rows + h * D + vrow[q]) * D, j, s[q]);
         }
       }
-      if (!a.spec) {
+      if (!spec) {
 #pragma unroll
         for (int q = 0; q < kR; ++q)
           store_state_row<D, kF32>(pool + (static_cast<int64_t>(read) * head_rows + h * D + vrow[q]) * D, j,
@@ -356,6 +378,7 @@ __global__ void __launch_bounds__(kLatencyThreads, 4)
     }
   }
   if (tid == 0) write_decode_error_words(a, err);
+  }
 }
 
 // The fixed-layout kernel's rows per thread for this call: as the latency kernel's (same grid), or 0
@@ -365,10 +388,14 @@ int fixed_rows_per_thread(const DecodeArgs& a) {
   return fixed_layout_call(a, D) ? latency_rows_per_thread<D>(a) : 0;
 }
 
-template <int D, bool kF32, int kR>
+template <int D, bool kF32, int kR, bool kTouch = true>
 Status launch_decode_fixed_layout(const DecodeArgs& a, bool pdl, cudaStream_t stream) {
-  return launch_one_wave_decode<D, kR>(decode_fixed_layout_kernel<D, kF32, kR>, "decode_fixed_layout_kernel",
-                                       a, pdl, stream);
+  if (!a.spec && a.T == 1) {
+    return launch_one_wave_decode<D, kR>(decode_fixed_layout_kernel<D, kF32, kR, true, kTouch>,
+                                         "decode_fixed_layout_kernel", a, pdl, stream);
+  }
+  return launch_one_wave_decode<D, kR>(decode_fixed_layout_kernel<D, kF32, kR, false, kTouch>,
+                                       "decode_fixed_layout_kernel", a, pdl, stream);
 }
 
 // Kernel choice and launch for one head dim and state dtype (see DecodeKernel): kAuto takes the

@@ -51,11 +51,14 @@ struct LatencyLayout {
   __device__ static int row(int slice, int r, int warp, int lane) {
     return slice * kRowsPerBlock + r * (kRowsPerBlock / kR) + warp * kRowsPerWarp + lane / kLanesPerRow;
   }
-  // Blocks of a call: the state blocks, then one checker block per 4 requests.
+  // Blocks of a call: the state blocks, then one checker block per 4 requests; none for a plain
+  // decode of one request (one write slot, its read slot: nothing can conflict), whose chain would
+  // otherwise end on the checker block's.
   static int64_t state_blocks(int64_t N, int64_t H) { return N * H * kSlices; }
-  static int64_t grid(int64_t N, int64_t H) {
-    return state_blocks(N, H) + (N + kLatencyWarps - 1) / kLatencyWarps;
+  static int64_t checker_blocks(int64_t N, bool spec) {
+    return N == 1 && !spec ? 0 : (N + kLatencyWarps - 1) / kLatencyWarps;
   }
+  static int64_t grid(int64_t N, int64_t H, bool spec) { return state_blocks(N, H) + checker_blocks(N, spec); }
 };
 
 // Checker block b (>= state_blocks) of a one-wave decode kernel (this one and kda_decode_fixed.cuh):
@@ -346,7 +349,7 @@ template <int D, int kR, class Kernel>
 Status launch_one_wave_decode(Kernel kernel, const char* name, const DecodeArgs& a, bool pdl,
                               cudaStream_t stream) {
   using L = LatencyLayout<D, kR>;
-  const int64_t grid = L::grid(a.N, a.H);
+  const int64_t grid = L::grid(a.N, a.H, a.spec != 0);
   if (grid < 1 || grid > kDecodeErrorSlots) {
     return Status::invalid(std::string("flashkda: ") + name + ": expected at most " +
                            std::to_string(kDecodeErrorSlots) + " blocks, got " + std::to_string(grid));
@@ -365,8 +368,8 @@ Status launch_decode_latency(const DecodeArgs& a, bool pdl, cudaStream_t stream)
 // else 2, else 0 (too many requests: the pipelined kernel).
 template <int D>
 int latency_rows_per_thread(const DecodeArgs& a) {
-  if (LatencyLayout<D, 1>::grid(a.N, a.H) <= kDecodeErrorSlots) return 1;
-  if (LatencyLayout<D, 2>::grid(a.N, a.H) <= kDecodeErrorSlots) return 2;
+  if (LatencyLayout<D, 1>::grid(a.N, a.H, a.spec != 0) <= kDecodeErrorSlots) return 1;
+  if (LatencyLayout<D, 2>::grid(a.N, a.H, a.spec != 0) <= kDecodeErrorSlots) return 2;
   return 0;
 }
 
