@@ -171,7 +171,7 @@ __device__ __forceinline__ float prep_fixed_token(const DecodeArgs& a, const Fix
 
 // A checker block of the fixed-layout kernel (see LatencyLayout); out of line, so that the state
 // blocks' code is contiguous from the kernel's entry (the generic conflict check is ~1 K instructions).
-__device__ __noinline__ void fixed_checker_block(const DecodeArgs& a, int b, int64_t state_blocks, int* err_sm) {
+static __device__ __noinline__ void fixed_checker_block(const DecodeArgs& a, int b, int64_t state_blocks, int* err_sm) {
   const int tid = static_cast<int>(threadIdx.x);
   const int err = one_wave_checker_error(a, b, state_blocks, tid >> 5, tid & 31);
   if (err != 0) atomicCAS(err_sm, 0, err);
