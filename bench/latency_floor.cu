@@ -19,7 +19,9 @@
 //                   per call, as the library's kernels do
 //   lean            lean without PDL
 //   library+pdl     the library's decode_latency_kernel on the same inputs (plain decode, fixed layout)
-//   library fixed   the library's decode_fixed_layout_kernel on the same inputs
+//   library fixed   the library's decode_fixed_layout_kernel on the same inputs (and without its
+//                   parameter touch before griddepcontrol.wait)
+//   spec 1+3        the latency and fixed-layout kernels on a batch-1 spec decode of 4 tokens
 // Build: add -Iinclude -Icsrc to the nvcc line below (the library rung includes its kernel header).
 // The distance between these and fla's / our batch-1 times tells how much of a call is launch and
 // memory latency that no kernel design removes.
@@ -362,6 +364,34 @@ int main() {
                 }));
     std::printf("library fixed (again) %6.2f us\n", graph_us([&](cudaStream_t s) {
                   if (!flashkda::sm90::launch_decode_fixed_layout<128, true, 1>(da, true, s).ok())
+                    std::exit(1);
+                }));
+    // spec 1+3 at batch 1: 4 tokens (the same bits repeated), write slots 1..4, num_accepted 4 (the
+    // read slot is the row the previous call wrote last).
+    const int T = 4;
+    std::vector<unsigned short> hs(5 * T * H * D);
+    for (size_t i = 0; i < hs.size(); ++i) hs[i] = hb[i % hb.size()];
+    unsigned short* tok4 = nullptr;
+    int *idx4 = nullptr, *acc4 = nullptr;
+    CHECK(cudaMalloc(&tok4, hs.size() * 2));
+    CHECK(cudaMemcpy(tok4, hs.data(), hs.size() * 2, cudaMemcpyHostToDevice));
+    CHECK(cudaMalloc(&idx4, T * sizeof(int)));
+    CHECK(cudaMalloc(&acc4, sizeof(int)));
+    const int rows4[T] = {1, 2, 3, 4}, acc = T;
+    CHECK(cudaMemcpy(idx4, rows4, sizeof(rows4), cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(acc4, &acc, sizeof(int), cudaMemcpyHostToDevice));
+    flashkda::sm90::DecodeArgs ds = da;
+    const int64_t tsz = static_cast<int64_t>(T) * H * D;
+    ds.q = reinterpret_cast<const flashkda::sm90::bf16*>(tok4);
+    ds.k = ds.q + tsz, ds.v = ds.q + 2 * tsz, ds.g = tok4 + 3 * tsz, ds.beta = tok4 + 4 * tsz;
+    CHECK(cudaMalloc(&ds.out, tsz * 2));
+    ds.q_sb = ds.k_sb = ds.v_sb = ds.g_sb = ds.out_sb = tsz, ds.beta_sb = T * H;
+    ds.idx = idx4, ds.num_accepted = acc4, ds.spec = 1, ds.slots = T, ds.T = T, ds.num_rows = T;
+    std::printf("library latency spec 1+3 %6.2f us\n", graph_us([&](cudaStream_t s) {
+                  if (!flashkda::sm90::launch_decode_latency<128, true, 1>(ds, true, s).ok()) std::exit(1);
+                }));
+    std::printf("library fixed spec 1+3 %6.2f us\n", graph_us([&](cudaStream_t s) {
+                  if (!flashkda::sm90::launch_decode_fixed_layout<128, true, 1>(ds, true, s).ok())
                     std::exit(1);
                 }));
   }

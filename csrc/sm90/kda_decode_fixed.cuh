@@ -63,7 +63,7 @@ inline bool fixed_layout_call(const DecodeArgs& a, int D) {
   if (a.q_st != st || a.k_st != st || a.v_st != st || a.g_st != st || a.out_st != st) return false;
   if (a.q_sb != sb || a.k_sb != sb || a.v_sb != sb || a.g_sb != sb || a.out_sb != sb) return false;
   if (a.beta_st != a.H || a.beta_sb != a.T * a.H) return false;
-  return static_cast<int64_t>(a.N) * sb < (int64_t{1} << 31);
+  return static_cast<int64_t>(a.N) * sb < (int64_t{1} << 31) && static_cast<int64_t>(a.N) * a.slots < (int64_t{1} << 31);
 }
 
 // One token's inputs for one lane (D / 32 columns: bf16 pairs of q, k, g) and beta, as loaded bits.
@@ -169,11 +169,69 @@ __device__ __forceinline__ float prep_fixed_token(const DecodeArgs& a, const Fix
   return beta;
 }
 
-// A checker block of the fixed-layout kernel (see LatencyLayout); out of line, so that the state
-// blocks' code is contiguous from the kernel's entry (the generic conflict check is ~1 K instructions).
-static __device__ __noinline__ void fixed_checker_block(const DecodeArgs& a, int b, int64_t state_blocks, int* err_sm) {
-  const int tid = static_cast<int>(threadIdx.x);
-  const int err = one_wave_checker_error(a, b, state_blocks, tid >> 5, tid & 31);
+// The read slot of request m in the fixed layout when m is valid and not padded (the checks of
+// decode_read_slot for len = T, int32 indices and counts), else -1.
+__device__ __forceinline__ int fixed_valid_read_slot(const DecodeArgs& a, int m) {
+  const int S = static_cast<int>(a.slots);
+  int col = 0;
+  if (a.spec) {
+    const int acc = static_cast<const int*>(a.num_accepted)[m];
+    if (acc < 1 || acc > S || a.T > S) return -1;
+    col = acc - 1;
+  }
+  const int r = static_cast<const int*>(a.idx)[m * S + col];
+  return r < a.pool_rows ? r : -1;
+}
+
+// decode_request_conflicts for the fixed layout (len = T <= 4 tokens, int32 indices and counts):
+// the same rules with 32-bit offsets, request n's write slots in registers and no division (the
+// generic check's 64-bit index arithmetic made a spec checker block as long as the state chain).
+__device__ inline bool fixed_request_conflicts(const DecodeArgs& a, int n, int lane) {
+  const int read = fixed_valid_read_slot(a, n);
+  if (read < 0) return false;
+  const int T = static_cast<int>(a.T), S = static_cast<int>(a.slots);
+  const int* idx = static_cast<const int*>(a.idx);
+  int wn[kFixedMaxTokens];
+#pragma unroll
+  for (int t = 0; t < kFixedMaxTokens; ++t) wn[t] = a.spec && t < T ? idx[n * S + t] : -1;
+  bool conflict = false;
+#pragma unroll
+  for (int t1 = 0; t1 < kFixedMaxTokens; ++t1) {
+#pragma unroll
+    for (int t2 = t1 + 1; t2 < kFixedMaxTokens; ++t2) conflict |= wn[t1] >= 0 && wn[t1] == wn[t2];
+  }
+  for (int m = lane; m < a.N; m += 32) {
+    if (m == n) continue;
+    const int rm = fixed_valid_read_slot(a, m);
+    if (rm < 0) continue;
+    if (!a.spec) {  // 1-D: each request reads and writes its own row
+      conflict |= rm == read;
+      continue;
+    }
+#pragma unroll
+    for (int u = 0; u < kFixedMaxTokens; ++u) {
+      conflict |= wn[u] >= 0 && wn[u] == rm;  // n writes the row m reads
+      const int wm = u < T ? idx[m * S + u] : -1;
+      if (wm < 0) continue;
+      conflict |= wm == read;  // m writes the row n reads
+#pragma unroll
+      for (int t = 0; t < kFixedMaxTokens; ++t) conflict |= wn[t] == wm;  // both write it
+    }
+  }
+  return __any_sync(0xffffffffu, conflict);
+}
+
+// A checker block of the fixed-layout kernel (see LatencyLayout): warp w checks requests 4 c + w,
+// 4 c + w + 4 C, ... (c = the checker index, C = the checker blocks).  Out of line, so that the state
+// blocks' code is contiguous from the kernel's entry.
+static __device__ __noinline__ void fixed_checker_block(const DecodeArgs& a, int b, int state_blocks,
+                                                        int* err_sm) {
+  const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  const int stride = (static_cast<int>(gridDim.x) - state_blocks) * kLatencyWarps;
+  int err = 0;
+  for (int n = (b - state_blocks) * kLatencyWarps + warp; n < a.N; n += stride) {
+    if (fixed_request_conflicts(a, n, lane)) err = static_cast<int>(DeviceError::kStateSlotConflict);
+  }
   if (err != 0) atomicCAS(err_sm, 0, err);
   __syncthreads();
   if (tid == 0) write_decode_error_words(a, *err_sm);
@@ -205,7 +263,7 @@ __global__ void __launch_bounds__(kLatencyThreads, 4)
 
   const int b = static_cast<int>(blockIdx.x);  // < kDecodeErrorSlots
   if (b >= state_blocks) {
-    fixed_checker_block(a, b, state_blocks, &sm.err);
+    fixed_checker_block(a, b, static_cast<int>(state_blocks), &sm.err);
     return;
   }
 

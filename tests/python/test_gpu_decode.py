@@ -649,8 +649,11 @@ def test_device_error_read_slot_ge_P(gen):
     assert torch.equal(pool[3], before[3]), f"seed {seed_of(gen)}: the bad request's row was written"
 
 
-@pytest.mark.parametrize("case", ["dup_between_requests", "dup_in_request", "dup_1d", "cross_read_write"])
-def test_device_error_slot_conflict(gen, case):
+@pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32], ids=["idx64", "idx32"])
+@pytest.mark.parametrize("case", ["dup_between_requests", "dup_in_request", "dup_1d", "cross_read_write",
+                                  "read_written_by_other", "dup_1d_T2"])
+def test_device_error_slot_conflict(gen, case, idx_dtype):
+    """Int32 indices in the fixed layout reach the fixed-layout kernel's own conflict check."""
     acc, lens, T = torch.tensor([1, 2, 1], dtype=torch.int32), None, 2
     if case == "dup_between_requests":
         idx = torch.tensor([[0, 1], [2, 1], [4, 5]])
@@ -658,11 +661,36 @@ def test_device_error_slot_conflict(gen, case):
         idx = torch.tensor([[0, 0], [2, 3], [4, 5]])
     elif case == "dup_1d":
         idx, acc, T = torch.tensor([4, 1, 4]), None, 1
+    elif case == "dup_1d_T2":
+        idx, acc = torch.tensor([7, 1, 7]), None
+    elif case == "read_written_by_other":  # request 1 reads row 3 (acc 2); request 2 writes it
+        idx = torch.tensor([[0, 1], [2, 3], [3, 5]])
     else:  # varlen 1, 0, 2 tokens: request 0 reads row 5 (column 1, which it does not write) and request 2 writes it
         idx, acc, lens = torch.tensor([[0, 5], [2, 3], [4, 5]]), torch.tensor([2, 1, 1]), [1, 0, 2]
-    code, pool, *_ = _bad_call(gen, idx, acc, lens=lens, T=T)
+    code, pool, *_ = _bad_call(gen, idx.to(idx_dtype), acc, lens=lens, T=T)
     assert code == ERR_SLOT_CONFLICT, f"seed {seed_of(gen)}: device error {code}"
     assert torch.isfinite(pool.float()).all()
+
+
+def test_no_conflict_reported_for_distinct_rows_idx32(gen):
+    """The fixed-layout conflict check does not flag distinct rows, padding or a row only read."""
+    idx = torch.tensor([[0, 1], [-1, 1], [4, 5], [6, 7]], dtype=torch.int32)  # request 1 padded
+    acc = torch.tensor([1, 1, 2, 1], dtype=torch.int32)
+    code, *_ = _bad_call(gen, idx, acc)
+    assert code == 0, f"seed {seed_of(gen)}: device error {code}"
+
+
+@pytest.mark.parametrize("slot", [12, -1], ids=["ge_P", "padded"])
+def test_single_request_plain_idx32(gen, slot):
+    """Plain decode of one request (the grid without a checker block): a bad slot is reported and
+    writes nothing; a padded request zeroes its output and touches no state."""
+    code, pool, before, out, *_ = _bad_call(gen, torch.tensor([slot], dtype=torch.int32), T=1)
+    assert torch.equal(pool, before), f"seed {seed_of(gen)}: the pool was written"
+    if slot < 0:
+        assert code == 0, f"seed {seed_of(gen)}: device error {code}"
+        assert torch.equal(out, torch.zeros_like(out)), f"seed {seed_of(gen)}: padded output not zero"
+    else:
+        assert code == ERR_STATE_INDEX, f"seed {seed_of(gen)}: device error {code}"
 
 
 @pytest.mark.parametrize("bad", [0, 3, -1])
