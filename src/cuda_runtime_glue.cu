@@ -62,6 +62,7 @@ sm90::DecodeKernel decode_kernel_choice() {
   if (env_is("FLASHKDA_DECODE_KERNEL", "pipelined")) return sm90::DecodeKernel::kPipelined;
   if (env_is("FLASHKDA_DECODE_KERNEL", "latency")) return sm90::DecodeKernel::kLatency;
   if (env_is("FLASHKDA_DECODE_KERNEL", "fixed")) return sm90::DecodeKernel::kFixedLayout;
+  if (env_is("FLASHKDA_DECODE_KERNEL", "stream")) return sm90::DecodeKernel::kStream;
   return sm90::DecodeKernel::kAuto;
 }
 

@@ -221,15 +221,14 @@ __device__ inline bool fixed_request_conflicts(const DecodeArgs& a, int n, int l
   return __any_sync(0xffffffffu, conflict);
 }
 
-// A checker block of the fixed-layout kernel (see LatencyLayout): warp w checks requests 4 c + w,
-// 4 c + w + 4 C, ... (c = the checker index, C = the checker blocks).  Out of line, so that the state
-// blocks' code is contiguous from the kernel's entry.
-static __device__ __noinline__ void fixed_checker_block(const DecodeArgs& a, int b, int state_blocks,
-                                                        int* err_sm) {
+// Checker block c of C of the fixed-layout kernels (this one: the blocks after the state blocks; the
+// stream kernel, kda_decode_stream.cuh: the blocks before them): warp w checks requests 4 c + w,
+// 4 c + w + 4 C, ...  Out of line, so that the state blocks' code is contiguous from the entry.
+static __device__ __noinline__ void fixed_checker_block(const DecodeArgs& a, int c, int C, int* err_sm) {
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
-  const int stride = (static_cast<int>(gridDim.x) - state_blocks) * kLatencyWarps;
+  const int stride = C * kLatencyWarps;
   int err = 0;
-  for (int n = (b - state_blocks) * kLatencyWarps + warp; n < a.N; n += stride) {
+  for (int n = c * kLatencyWarps + warp; n < a.N; n += stride) {
     if (fixed_request_conflicts(a, n, lane)) err = static_cast<int>(DeviceError::kStateSlotConflict);
   }
   if (err != 0) atomicCAS(err_sm, 0, err);
@@ -263,7 +262,7 @@ __global__ void __launch_bounds__(kLatencyThreads, 4)
 
   const int b = static_cast<int>(blockIdx.x);  // < kDecodeErrorSlots
   if (b >= state_blocks) {
-    fixed_checker_block(a, b, static_cast<int>(state_blocks), &sm.err);
+    fixed_checker_block(a, b - static_cast<int>(state_blocks), static_cast<int>(gridDim.x - state_blocks), &sm.err);
     return;
   }
 
@@ -454,24 +453,6 @@ Status launch_decode_fixed_layout(const DecodeArgs& a, bool pdl, cudaStream_t st
   }
   return launch_one_wave_decode<D, kR>(decode_fixed_layout_kernel<D, kF32, kR, false, kTouch>,
                                        "decode_fixed_layout_kernel", a, pdl, stream);
-}
-
-// Kernel choice and launch for one head dim and state dtype (see DecodeKernel): kAuto takes the
-// fixed-layout kernel when the call is in that layout and fits one wave, else the latency kernel
-// when it fits, else the pipelined kernel.  Forcing a kernel the call cannot use falls through to
-// the next one in that order.
-template <int D, bool kF32>
-Status launch_decode_kernel(const DecodeArgs& a, DecodeKernel kernel, bool pdl, int num_sms,
-                            cudaStream_t stream) {
-  if (kernel == DecodeKernel::kAuto || kernel == DecodeKernel::kFixedLayout) {
-    const int fixed = fixed_rows_per_thread<D>(a);
-    if (fixed == 1) return launch_decode_fixed_layout<D, kF32, 1>(a, pdl, stream);
-    if (fixed == 2) return launch_decode_fixed_layout<D, kF32, 2>(a, pdl, stream);
-  }
-  const int rows = kernel == DecodeKernel::kPipelined ? 0 : latency_rows_per_thread<D>(a);
-  if (rows == 1) return launch_decode_latency<D, kF32, 1>(a, pdl, stream);
-  if (rows == 2) return launch_decode_latency<D, kF32, 2>(a, pdl, stream);
-  return launch_decode_pipelined<D, kF32>(a, num_sms, pdl, stream);
 }
 
 }  // namespace sm90

@@ -6,8 +6,9 @@
 //                 pool[idx[n, t]].
 // The kernels: kda_decode_fixed.cuh (few requests in the fixed layout, <= 4 tokens each: no block
 // barrier on the chain), kda_decode_latency.cuh (few requests, any layout: one short chain of round
-// trips per block) and kda_decode_pipelined.cuh (many requests: a persistent warp-specialised state
-// stream).
+// trips per block), kda_decode_stream.cuh (many requests, plain decode in the fixed layout: persistent
+// blocks whose warps each pipeline the next item's state under the current item's math) and
+// kda_decode_pipelined.cuh (many requests otherwise: a persistent warp-specialised state stream).
 //
 // Device-side validation (the host cannot read CUDA index values without a sync): a request's
 // cu_seqlens pair, num_accepted_tokens, every index entry (< P) and every token row are checked
@@ -227,9 +228,10 @@ Status launch_decode_grid(void (*kernel)(Params...), int64_t grid, int threads, 
 // Which decode kernel runs a call.  kAuto: for few requests (a chain of round trips, not a stream)
 // the fixed-layout kernel (kda_decode_fixed.cuh) when the call is in the fixed layout with at most 4
 // tokens a request, else the latency kernel (kda_decode_latency.cuh), each when its one-wave grid
-// fits; else the pipelined kernel (kda_decode_pipelined.cuh).  The others force one (dev switch for
+// fits; many requests: plain one-token calls in the fixed layout the stream kernel
+// (kda_decode_stream.cuh), the others the pipelined kernel (kda_decode_pipelined.cuh).  The others force one (dev switch for
 // A/B runs; a forced kernel falls back to the next in that order when the call does not fit).
-enum class DecodeKernel { kAuto, kPipelined, kLatency, kFixedLayout };
+enum class DecodeKernel { kAuto, kPipelined, kLatency, kFixedLayout, kStream };
 
 // Explicit instantiations live in kda_decode_sm90_d{64,128}.cu (fp32 and bf16 pools each).  Both
 // kernels rewrite every error word themselves.  `pdl`: launch with programmatic stream serialisation

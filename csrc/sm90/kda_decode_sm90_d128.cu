@@ -1,5 +1,5 @@
 // Instantiation of the sm90 decode kernels for K = V = 128, fp32 and bf16 state pools.
-#include "sm90/kda_decode_fixed.cuh"
+#include "sm90/kda_decode_stream.cuh"
 
 namespace flashkda {
 namespace sm90 {

@@ -737,3 +737,43 @@ def test_serving_simulation(gen, state_dtype):
                         state_tol=SPEC_STATE if fp32 else LOOSE_STATE, out_fill=NAN,
                         decode_op=lambda inp, pool, idx, acc=None: run_decode(inp, pool, idx, acc, ws=ws),
                         step_check=no_device_error, seed=seed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Many plain requests in the fixed layout (the stream kernel under the default choice): padding, a
+# bad slot and a conflict among more requests than the one-wave kernels take.
+
+@pytest.mark.parametrize("state_dtype", [FP32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_many_plain_requests_with_padding(gen, D, state_dtype):
+    N, H = 300, 4
+    inp = tokens(gen, N=N, T=1, H=H, D=D)
+    P = N + 7
+    idx = perm(gen, P)[:N].to(torch.int32)
+    idx[torch.randperm(N, generator=gen)[:13]] = -1  # padded requests
+    check_decode(gen, inp, new_pool(gen, P, H, D, state_dtype), idx.to(DEV))
+
+
+@pytest.mark.parametrize("bad", ["ge_P", "dup"])
+def test_many_plain_requests_device_error(gen, bad):
+    N, H, D = 200, 4, 128
+    inp = tokens(gen, N=N, T=1, H=H, D=D)
+    P = N + 5
+    idx = perm(gen, P)[:N].to(torch.int32)
+    k = int(torch.randint(N, (1,), generator=gen))
+    if bad == "ge_P":
+        idx[k] = P + 3
+    else:
+        idx[k] = idx[(k + 1 + int(torch.randint(N - 1, (1,), generator=gen))) % N]
+    pool = new_pool(gen, P, H, D)
+    before = pool.clone()
+    ws = workspace()
+    run_decode(inp, pool, idx.to(DEV), ws=ws)
+    code = flashkda.read_device_error(ws)
+    if bad == "ge_P":
+        assert code == ERR_STATE_INDEX, f"seed {seed_of(gen)}: device error {code}"
+        untouched = [r for r in range(P) if r not in set(idx.tolist())]
+        assert torch.equal(pool[untouched], before[untouched]), f"seed {seed_of(gen)}: rows no request owns changed"
+    else:
+        assert code == ERR_SLOT_CONFLICT, f"seed {seed_of(gen)}: device error {code}"
+    assert torch.isfinite(pool.float()).all()
