@@ -19,8 +19,7 @@
 //                   per call, as the library's kernels do
 //   lean            lean without PDL
 //   library+pdl     the library's decode_latency_kernel on the same inputs (plain decode, fixed layout)
-//   library fixed   the library's decode_fixed_layout_kernel on the same inputs (and without its
-//                   parameter touch before griddepcontrol.wait)
+//   library fixed   the library's decode_fixed_layout_kernel on the same inputs
 //   spec 1+3        the latency and fixed-layout kernels on a batch-1 spec decode of 4 tokens
 // Build: add -Iinclude -Icsrc to the nvcc line below (the library rung includes its kernel header).
 // The distance between these and fla's / our batch-1 times tells how much of a call is launch and
@@ -356,10 +355,6 @@ int main() {
                 }));
     std::printf("library fixed   %6.2f us\n", graph_us([&](cudaStream_t s) {
                   if (!flashkda::sm90::launch_decode_fixed_layout<128, true, 1>(da, true, s).ok())
-                    std::exit(1);
-                }));
-    std::printf("library fixed, no param touch %6.2f us\n", graph_us([&](cudaStream_t s) {
-                  if (!flashkda::sm90::launch_decode_fixed_layout<128, true, 1, false>(da, true, s).ok())
                     std::exit(1);
                 }));
     std::printf("library fixed (again) %6.2f us\n", graph_us([&](cudaStream_t s) {

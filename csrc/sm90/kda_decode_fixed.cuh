@@ -22,9 +22,9 @@
 // this kernel 2.41-2.45 us (perf-notes d9).
 //
 // Grid: LatencyLayout (one block per (request, head, row slice), then ceil(N / 4) checker blocks for
-// the pool-row conflicts, none for plain N = 1; at most kDecodeErrorSlots blocks).  State block: 4 warps, no roles; each
-// thread holds 16 columns of kR state rows in registers (kda_token_recurrence.cuh layout).
-// Shared memory: 4 TokenBuf (6.2 KB at D = 128).
+// the pool-row conflicts, none for plain N = 1; at most kDecodeErrorSlots blocks).  State block: 4 warps, no
+// roles; each thread holds 16 columns of kR state rows in registers (kda_token_recurrence.cuh layout). Shared
+// memory: 4 TokenBuf (6.2 KB at D = 128).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -63,7 +63,8 @@ inline bool fixed_layout_call(const DecodeArgs& a, int D) {
   if (a.q_st != st || a.k_st != st || a.v_st != st || a.g_st != st || a.out_st != st) return false;
   if (a.q_sb != sb || a.k_sb != sb || a.v_sb != sb || a.g_sb != sb || a.out_sb != sb) return false;
   if (a.beta_st != a.H || a.beta_sb != a.T * a.H) return false;
-  return static_cast<int64_t>(a.N) * sb < (int64_t{1} << 31) && static_cast<int64_t>(a.N) * a.slots < (int64_t{1} << 31);
+  return static_cast<int64_t>(a.N) * sb < (int64_t{1} << 31) &&
+         static_cast<int64_t>(a.N) * a.slots < (int64_t{1} << 31);
 }
 
 // One token's inputs for one lane (D / 32 columns: bf16 pairs of q, k, g) and beta, as loaded bits.
@@ -240,7 +241,7 @@ static __device__ __noinline__ void fixed_checker_block(const DecodeArgs& a, int
 // of every running request), with neither the spec code nor the several-token path in the binary;
 // otherwise T and spec are runtime values and every call takes the several-token path (warp t
 // preprocesses token t, one block barrier), T = 1 included.
-template <int D, bool kF32, int kR, bool kPlainOne, bool kTouch = true>
+template <int D, bool kF32, int kR, bool kPlainOne>
 // 4 blocks a SM: a 128-register cap.
 __global__ void __launch_bounds__(kLatencyThreads, 4)
     decode_fixed_layout_kernel(const __grid_constant__ DecodeArgs a, const int64_t state_blocks) {
@@ -249,20 +250,12 @@ __global__ void __launch_bounds__(kLatencyThreads, 4)
   constexpr int PC = D / 32;
   __shared__ __align__(16) FixedSmem<D> sm;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  if constexpr (kTouch) {
-    if (tid == 0) {
-      sm.err = 0;
-      *reinterpret_cast<volatile uint32_t*>(&sm.param_touch) = touch_decode_params(a);
-    }
-    __syncthreads();
-  } else {
-    if (tid == 0) sm.err = 0;  // the checker blocks' barrier comes after
-  }
-  decode_wait_previous_kernel();
+  decode_block_setup(a, &sm.err, &sm.param_touch);
 
   const int b = static_cast<int>(blockIdx.x);  // < kDecodeErrorSlots
   if (b >= state_blocks) {
-    fixed_checker_block(a, b - static_cast<int>(state_blocks), static_cast<int>(gridDim.x - state_blocks), &sm.err);
+    fixed_checker_block(a, b - static_cast<int>(state_blocks), static_cast<int>(gridDim.x - state_blocks),
+                        &sm.err);
     return;
   }
 
@@ -396,45 +389,45 @@ __global__ void __launch_bounds__(kLatencyThreads, 4)
     }
     if (tid == 0) write_decode_error_words(a, err);
   } else {
-  // Several tokens: warp t preprocesses token t, one block barrier publishes them.
-  float beta = 0.f;
-  if (my_t < T) beta = prep_fixed_token<D>(a, bits, expA, dtb, sm.tok[warp], lane);  // same in every lane
-  if (lane == 0) sm.beta[warp] = beta;
-  __syncthreads();
+    // Several tokens: warp t preprocesses token t, one block barrier publishes them.
+    float beta = 0.f;
+    if (my_t < T) beta = prep_fixed_token<D>(a, bits, expA, dtb, sm.tok[warp], lane);  // same in every lane
+    if (lane == 0) sm.beta[warp] = beta;
+    __syncthreads();
 
-  if (err == 0) {
-    if (read < 0) {  // padded request: zero its outputs, touch no state
-      if (j == 0) {
-        for (int t = 0; t < T; ++t) {
+    if (err == 0) {
+      if (read < 0) {  // padded request: zero its outputs, touch no state
+        if (j == 0) {
+          for (int t = 0; t < T; ++t) {
 #pragma unroll
-          for (int q = 0; q < kR; ++q) out[(n * T + t) * head_rows + vrow[q]] = __float2bfloat16_rn(0.f);
+            for (int q = 0; q < kR; ++q) out[(n * T + t) * head_rows + vrow[q]] = __float2bfloat16_rn(0.f);
+          }
         }
-      }
-    } else {
+      } else {
 #pragma unroll
-      for (int t = 0; t < kFixedMaxTokens; ++t) {
-        if (t >= T) break;
-        float vt[kR], o[kR];
+        for (int t = 0; t < kFixedMaxTokens; ++t) {
+          if (t >= T) break;
+          float vt[kR], o[kR];
 #pragma unroll
-        for (int q = 0; q < kR; ++q) vt[q] = bf16_bits_lo(vb[q][t]);
-        advance_rows<D, kR>(s, sm.tok[t], j, sm.beta[t], vt, o);
+          for (int q = 0; q < kR; ++q) vt[q] = bf16_bits_lo(vb[q][t]);
+          advance_rows<D, kR>(s, sm.tok[t], j, sm.beta[t], vt, o);
 #pragma unroll
-        for (int q = 0; q < kR; ++q) {
-          if (j == 0) out[(n * T + t) * head_rows + vrow[q]] = __float2bfloat16_rn(o[q]);
-          if (wslot[t] >= 0)
-            store_state_row<D, kF32>(
-                pool + (static_cast<int64_t>(wslot[t]) * head_rows + h * D + vrow[q]) * D, j, s[q]);
+          for (int q = 0; q < kR; ++q) {
+            if (j == 0) out[(n * T + t) * head_rows + vrow[q]] = __float2bfloat16_rn(o[q]);
+            if (wslot[t] >= 0)
+              store_state_row<D, kF32>(
+                  pool + (static_cast<int64_t>(wslot[t]) * head_rows + h * D + vrow[q]) * D, j, s[q]);
+          }
         }
-      }
-      if (!spec) {
+        if (!spec) {
 #pragma unroll
-        for (int q = 0; q < kR; ++q)
-          store_state_row<D, kF32>(pool + (static_cast<int64_t>(read) * head_rows + h * D + vrow[q]) * D, j,
-                                   s[q]);
+          for (int q = 0; q < kR; ++q)
+            store_state_row<D, kF32>(pool + (static_cast<int64_t>(read) * head_rows + h * D + vrow[q]) * D, j,
+                                     s[q]);
+        }
       }
     }
-  }
-  if (tid == 0) write_decode_error_words(a, err);
+    if (tid == 0) write_decode_error_words(a, err);
   }
 }
 
@@ -445,13 +438,13 @@ int fixed_rows_per_thread(const DecodeArgs& a) {
   return fixed_layout_call(a, D) ? latency_rows_per_thread<D>(a) : 0;
 }
 
-template <int D, bool kF32, int kR, bool kTouch = true>
+template <int D, bool kF32, int kR>
 Status launch_decode_fixed_layout(const DecodeArgs& a, bool pdl, cudaStream_t stream) {
   if (!a.spec && a.T == 1) {
-    return launch_one_wave_decode<D, kR>(decode_fixed_layout_kernel<D, kF32, kR, true, kTouch>,
+    return launch_one_wave_decode<D, kR>(decode_fixed_layout_kernel<D, kF32, kR, true>,
                                          "decode_fixed_layout_kernel", a, pdl, stream);
   }
-  return launch_one_wave_decode<D, kR>(decode_fixed_layout_kernel<D, kF32, kR, false, kTouch>,
+  return launch_one_wave_decode<D, kR>(decode_fixed_layout_kernel<D, kF32, kR, false>,
                                        "decode_fixed_layout_kernel", a, pdl, stream);
 }
 

@@ -58,7 +58,9 @@ struct LatencyLayout {
   static int64_t checker_blocks(int64_t N, bool spec) {
     return N == 1 && !spec ? 0 : (N + kLatencyWarps - 1) / kLatencyWarps;
   }
-  static int64_t grid(int64_t N, int64_t H, bool spec) { return state_blocks(N, H) + checker_blocks(N, spec); }
+  static int64_t grid(int64_t N, int64_t H, bool spec) {
+    return state_blocks(N, H) + checker_blocks(N, spec);
+  }
 };
 
 // Checker block b (>= state_blocks) of a one-wave decode kernel (this one and kda_decode_fixed.cuh):
@@ -227,12 +229,7 @@ __global__ void __launch_bounds__(kLatencyThreads, 4)
   constexpr int PC = D / 32;
   __shared__ __align__(16) LatencySmem<D> sm;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  if (tid == 0) {
-    sm.err = 0;
-    *reinterpret_cast<volatile uint32_t*>(&sm.param_touch) = touch_decode_params(a);
-  }
-  __syncthreads();
-  decode_wait_previous_kernel();
+  decode_block_setup(a, &sm.err, &sm.param_touch);
 
   int err = 0;
   const int64_t b = blockIdx.x;

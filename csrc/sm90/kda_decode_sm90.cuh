@@ -197,6 +197,18 @@ __device__ __forceinline__ void decode_wait_previous_kernel() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
 
+// The set-up of a one-wave or stream decode block (kda_decode_latency / _fixed / _stream.cuh) before
+// it touches global memory: thread 0 clears the block's shared error code and touches the parameter
+// block, then every thread waits for the previous kernel.
+__device__ __forceinline__ void decode_block_setup(const DecodeArgs& a, int* err, uint32_t* param_touch) {
+  if (threadIdx.x == 0) {
+    *err = 0;
+    *reinterpret_cast<volatile uint32_t*>(param_touch) = touch_decode_params(a);
+  }
+  __syncthreads();
+  decode_wait_previous_kernel();
+}
+
 // Error words of the decode kernels: the workspace header's kDecodeErrorSlots int32 words.  Every
 // call rewrites all of them (block b: word b its code, words b + G, b + 2G, ... zero, G <= the word
 // count), so no clearing memset precedes a decode kernel and read_device_error reports exactly the
@@ -229,8 +241,8 @@ Status launch_decode_grid(void (*kernel)(Params...), int64_t grid, int threads, 
 // the fixed-layout kernel (kda_decode_fixed.cuh) when the call is in the fixed layout with at most 4
 // tokens a request, else the latency kernel (kda_decode_latency.cuh), each when its one-wave grid
 // fits; many requests: plain one-token calls in the fixed layout the stream kernel
-// (kda_decode_stream.cuh), the others the pipelined kernel (kda_decode_pipelined.cuh).  The others force one (dev switch for
-// A/B runs; a forced kernel falls back to the next in that order when the call does not fit).
+// (kda_decode_stream.cuh), the others the pipelined kernel (kda_decode_pipelined.cuh).  The others force one
+// (dev switch for A/B runs; a forced kernel falls back to the next in that order when the call does not fit).
 enum class DecodeKernel { kAuto, kPipelined, kLatency, kFixedLayout, kStream };
 
 // Explicit instantiations live in kda_decode_sm90_d{64,128}.cu (fp32 and bf16 pools each).  Both

@@ -76,8 +76,8 @@ struct StreamItem {
   uint32_t v[kStreamRows];
   float dtb[D / 32];
   float a_log;
-  int read;          // idx[n]
-  int n, h, slice;   // the item (computed, not loaded)
+  int read;         // idx[n]
+  int n, h, slice;  // the item (computed, not loaded)
 };
 
 template <int D>
@@ -126,12 +126,7 @@ __global__ void __launch_bounds__(kLatencyThreads, kStreamBlocksPerSm)
   using StateT = typename std::conditional<kF32, float, bf16>::type;
   __shared__ __align__(16) FixedSmem<D> sm;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  if (tid == 0) {
-    sm.err = 0;
-    *reinterpret_cast<volatile uint32_t*>(&sm.param_touch) = touch_decode_params(a);
-  }
-  __syncthreads();
-  decode_wait_previous_kernel();
+  decode_block_setup(a, &sm.err, &sm.param_touch);
 
   const int b = static_cast<int>(blockIdx.x);
   if (b < checkers) {
@@ -181,11 +176,12 @@ __global__ void __launch_bounds__(kLatencyThreads, kStreamBlocksPerSm)
       for (int q = 0; q < kStreamRows; ++q) {
         const int row = L::row(slice, q, warp, lane);
         if (j == 0) out[row] = __float2bfloat16_rn(o[q]);
-        store_state_row<D, kF32>(pool + ((static_cast<int64_t>(read) * head_rows) + h * D + row) * D, j, s[q]);
+        store_state_row<D, kF32>(pool + ((static_cast<int64_t>(read) * head_rows) + h * D + row) * D, j,
+                                 s[q]);
       }
     }
     __syncwarp();  // the buffer is rewritten by the next item's preprocessing
-    // 4. Rotate: the next item's state and bits become current.
+                   // 4. Rotate: the next item's state and bits become current.
 #pragma unroll
     for (int q = 0; q < kStreamRows; ++q) cur_s[q] = nxt_s[q];
     const StreamItem<D> t = cur;
@@ -215,11 +211,10 @@ int64_t plain_stream_grid(const DecodeArgs& a, int num_sms, int64_t* checkers) {
   return *checkers + state_blocks;
 }
 
+// Launches the stream kernel on the grid plain_stream_grid chose (grid >= 1).
 template <int D, bool kF32>
-Status launch_decode_plain_stream(const DecodeArgs& a, int num_sms, bool pdl, cudaStream_t stream) {
-  int64_t checkers = 0;
-  const int64_t grid = plain_stream_grid<D>(a, num_sms, &checkers);
-  if (grid < 1) return Status::invalid("flashkda: decode_plain_stream_kernel: the call does not apply");
+Status launch_decode_plain_stream(const DecodeArgs& a, int64_t grid, int64_t checkers, bool pdl,
+                                  cudaStream_t stream) {
   return launch_decode_grid(decode_plain_stream_kernel<D, kF32>, grid, kLatencyThreads, 0, pdl, stream,
                             "decode_plain_stream_kernel", a, static_cast<int>(checkers));
 }
@@ -239,7 +234,8 @@ Status launch_decode_kernel(const DecodeArgs& a, DecodeKernel kernel, bool pdl, 
   }
   if (kernel != DecodeKernel::kPipelined && kernel != DecodeKernel::kLatency) {
     int64_t checkers = 0;
-    if (plain_stream_grid<D>(a, num_sms, &checkers) > 0) return launch_decode_plain_stream<D, kF32>(a, num_sms, pdl, stream);
+    const int64_t grid = plain_stream_grid<D>(a, num_sms, &checkers);
+    if (grid > 0) return launch_decode_plain_stream<D, kF32>(a, grid, checkers, pdl, stream);
   }
   const int rows = kernel == DecodeKernel::kPipelined ? 0 : latency_rows_per_thread<D>(a);
   if (rows == 1) return launch_decode_latency<D, kF32, 1>(a, pdl, stream);
