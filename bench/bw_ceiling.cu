@@ -11,6 +11,9 @@
 //               and stores them back in place (the decode pattern; loads of the next slice issued
 //               before the stores of this one)
 //   rmw-seq     the same on consecutive rows (pattern effect vs. random rows)
+//   spec-rand   speculative decode 1 + 3: each slice is read once at a random row and written 4 times,
+//               to 4 other random rows (one state per token), the next slice's loads issued first;
+//               bytes = 5 slices an item, judged against memcpy's read + write bandwidth
 //   tma-copy    persistent blocks move each slice by TMA: a bulk load into a 4-stage shared ring,
 //               then a bulk store of the stage back in place (the SM never touches the data)
 //   tma-rmw     the same with 4 warps scaling each stage in shared memory between the load and the
@@ -72,6 +75,50 @@ __global__ void __launch_bounds__(kThreads) rmw_kernel(float* pool, const int* r
 #pragma unroll
     for (int j = 0; j < kPer; ++j) cur[j] = nxt[j];
     p = q;
+    item = next;
+  }
+}
+
+// Speculative decode 1 + 3: item i's slice read at rows[n], written to wrows[4 n + t], t = 0..3.
+__global__ void __launch_bounds__(kThreads) spec_kernel(float* pool, const int* rows, const int* wrows,
+                                                        int items) {
+  constexpr int kPer = kSliceFloats / 4 / kThreads;
+  constexpr int kPerRequest = kH * (kD / kSliceRows);
+  const size_t row_floats = static_cast<size_t>(kH) * kD * kD;
+  int item = blockIdx.x;
+  if (item >= items) return;
+  auto at = [&](int row, int it) {
+    return reinterpret_cast<float4*>(pool + static_cast<size_t>(row) * row_floats +
+                                     static_cast<size_t>(it % kPerRequest) * kSliceFloats);
+  };
+  float4 cur[kPer];
+  {
+    const float4* p = at(rows[item / kPerRequest], item);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) cur[j] = p[threadIdx.x + j * kThreads];
+  }
+  while (true) {
+    const int next = item + gridDim.x;
+    float4 nxt[kPer];
+    if (next < items) {
+      const float4* q = at(rows[next / kPerRequest], next);
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) nxt[j] = q[threadIdx.x + j * kThreads];
+    }
+    const int n = item / kPerRequest;
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      float4* w = at(wrows[4 * n + t], item);
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        float4& v = cur[j];
+        v.x *= 0.999f, v.y *= 0.999f, v.z *= 0.999f, v.w *= 0.999f;
+        w[threadIdx.x + j * kThreads] = v;
+      }
+    }
+    if (next >= items) break;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) cur[j] = nxt[j];
     item = next;
   }
 }
@@ -222,6 +269,19 @@ int main(int argc, char** argv) {
       std::printf("rmw-%s %2d/SM  %8.1f us  %5.2f TB/s  %5.1f%% of memcpy\n", r == 0 ? "rand" : "seq ",
                   per_sm, t, bytes_rw / t * 1e-6, 100.f * t_memcpy / t);
     }
+  }
+  {  // speculative decode 1 + 3: read at perm[n], write at perm[N + 4 n + t] (P = 8 N >= 5 N rows)
+    int* wrows = nullptr;
+    CHECK(cudaMalloc(&wrows, 4 * N * sizeof(int)));
+    CHECK(cudaMemcpy(wrows, perm.data() + N, 4 * N * sizeof(int), cudaMemcpyHostToDevice));
+    const size_t bytes_spec = static_cast<size_t>(N) * row_floats * 4 * 5;
+    for (int per_sm : {2, 4, 8, 16}) {
+      const int grid = std::min(items, sms * per_sm);
+      const float t = time_us([&] { spec_kernel<<<grid, kThreads>>>(pool, rows_rand, wrows, items); }, 20);
+      std::printf("spec-rand %2d/SM %8.1f us  %5.2f TB/s  %5.1f%% of memcpy\n", per_sm, t, bytes_spec / t * 1e-6,
+                  100.f * (bytes_spec / t) / (bytes_rw / t_memcpy));
+    }
+    CHECK(cudaFree(wrows));
   }
   CHECK(cudaFuncSetAttribute(rmw_tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              static_cast<int>(sizeof(TmaSmem))));

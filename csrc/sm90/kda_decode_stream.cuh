@@ -1,7 +1,8 @@
 // decode_plain_stream_kernel: plain decode (one token a request, 1-D indices) of many requests in the
-// serving engines' canonical layout (fixed_layout_call), as a stream of state slices.  The pipelined
-// kernel (kda_decode_pipelined.cuh) handles every other many-request call; for this one, the most
-// common serving call, a simpler structure keeps more bytes in flight per SM:
+// serving engines' canonical layout (fixed_layout_call), as a stream of state slices;
+// decode_spec_stream_kernel (below): the same for speculative decode and several-token calls in that
+// layout.  The pipelined kernel (kda_decode_pipelined.cuh) handles every other many-request call; for
+// these, the common serving calls, a simpler structure keeps more bytes in flight per SM:
 //   - no warp roles and no block barrier inside the loop: each of the 4 warps of a block walks the
 //     block's items on its own rows and preprocesses each item's token itself (D / 32 columns a
 //     lane, norms over the warp) into its own TokenBuf;
@@ -219,10 +220,318 @@ Status launch_decode_plain_stream(const DecodeArgs& a, int64_t grid, int64_t che
                             "decode_plain_stream_kernel", a, static_cast<int>(checkers));
 }
 
+// ---------------------------------------------------------------------------------------------
+// decode_spec_stream_kernel: the same stream of state slices for every other call in the canonical
+// layout too large for one wave: speculative decode (1-D or 2-D indices, T <= 4 tokens a request) and
+// plain decode of 2..4 tokens.  The state stays in registers across the request's tokens; its only
+// state traffic is one read and, for spec decode, one write per token with a write slot (plain: one
+// write of the final state).  Per warp, a three-stage software pipeline over items i, i + G, i + 2G:
+//   - item i + 2G: the request's slots (num_accepted and the first 4 index entries) start loading;
+//   - item i + G: its read slot is picked from those registers (the entry acc - 1; a load only when
+//     acc > 4) and checked, and its state rows (raw registers) and its tokens' bits start loading;
+//   - item i: the warp preprocesses its T tokens (D / 32 columns a lane each, into the warp's own
+//     TokenBuf per token), then advances its rows token by token, storing out and each token's state.
+// A request's three round trips (acc -> index entry -> state) thus lie under two items' math.
+// Measured without math (bench/bw_ceiling.cu spec-rand, H200): read once and written 4 times at random
+// rows, this pattern reaches 87% of memcpy's read + write bandwidth at N = 256 and 91-94% of a
+// same-size memcpy at N = 64.
+// Work item, grid and errors: as decode_plain_stream_kernel (LatencyLayout<D, 2>; checker blocks first,
+// fixed_checker_block's spec-aware conflict check; the fixed kernel's per-request checks, so a request
+// with a bad count or slot writes nothing, and a padded one zeroes its T outputs).
+// Shared memory: 4 warps x 4 TokenBuf (24.8 KB at D = 128) and each warp's stage for the next item's
+// q, k, g and dt_bias bits (cp.async, 3.5 KB a warp).  Registers: 2 x 32 state words, two item
+// records (~20 words each) and a slot record: 111-125, no spills, at the 128 cap of 4 blocks per SM.
+
+// One warp's raw token bits of its next item, copied by cp.async so that they occupy no registers
+// while the current item is computed (as registers they pushed the fp32 kernel past 128: 132 bytes
+// of spills).  Each lane copies, and later reads, only its own D / 32 columns.
+template <int D>
+struct SpecStreamStage {
+  uint32_t q[kFixedMaxTokens][D / 2], k[kFixedMaxTokens][D / 2], g[kFixedMaxTokens][D / 2];  // bf16 pairs
+  float dtb[D];
+};
+
+template <int D>
+struct SpecStreamSmem {
+  TokenBuf<D> tok[kLatencyWarps][kFixedMaxTokens];  // warp w's tokens of its current item
+  SpecStreamStage<D> stage[kLatencyWarps];          // warp w's bits of its next item
+  int err;
+  uint32_t param_touch;
+};
+
+template <int kBytes>
+__device__ __forceinline__ void cp_async_lane(void* smem, const void* gmem) {
+  static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async size");
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(smem_addr(smem)), "l"(gmem), "n"(kBytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_lane_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+__device__ __forceinline__ void cp_async_lane_wait_all() {
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+// A request's slots as loaded two items ahead: idx[n, t] for t < min(S, 4) (1-D: e[0] = idx[n]) and,
+// for spec decode, num_accepted[n].
+struct StreamSlots {
+  int e[kFixedMaxTokens];
+  int acc;
+};
+
+__device__ __forceinline__ void load_stream_slots(const DecodeArgs& a, int n, StreamSlots& sl) {
+  const int* idx = static_cast<const int*>(a.idx);
+  const int S = static_cast<int>(a.slots);
+  sl.acc = a.spec ? static_cast<const int*>(a.num_accepted)[n] : 1;
+#pragma unroll
+  for (int t = 0; t < kFixedMaxTokens; ++t) sl.e[t] = t < S ? idx[n * S + t] : -1;
+}
+
+// The checks of decode_fixed_layout_kernel on an item's request: sets `read` (the read slot; the
+// caller clamps its loads) and returns the device error code (0: valid).
+__device__ __forceinline__ int resolve_stream_slots(const DecodeArgs& a, int n, const StreamSlots& sl,
+                                                    int* read) {
+  const int S = static_cast<int>(a.slots);
+  if (!a.spec) {
+    *read = sl.e[0];
+    return sl.e[0] >= a.pool_rows ? static_cast<int>(DeviceError::kBadStateIndex) : 0;
+  }
+  const int acc = sl.acc;
+  if (acc < 1 || acc > S) {
+    *read = sl.e[0];
+    return static_cast<int>(DeviceError::kBadAcceptedCount);
+  }
+  const int* idx = static_cast<const int*>(a.idx);
+  const int col = acc - 1;  // selects, not a dynamically indexed array (that would live in local memory)
+  int r = col == 0 ? sl.e[0] : col == 1 ? sl.e[1] : col == 2 ? sl.e[2] : sl.e[3];
+  if (col >= kFixedMaxTokens) r = idx[n * S + col];
+  *read = r;
+  int err = 0;
+  if (r >= 0 && a.T > S) err = static_cast<int>(DeviceError::kBadStateIndex);
+  if (r >= a.pool_rows) err = static_cast<int>(DeviceError::kBadStateIndex);
+#pragma unroll
+  for (int t = 0; t < kFixedMaxTokens; ++t)
+    if (sl.e[t] >= a.pool_rows) err = static_cast<int>(DeviceError::kBadStateIndex);
+  for (int e = kFixedMaxTokens; e < S; ++e)  // rows wider than 4 entries (rare)
+    if (idx[n * S + e] >= a.pool_rows) err = static_cast<int>(DeviceError::kBadStateIndex);
+  return err;
+}
+
+// An item: where it is, what its request's checks said, and the bits of its tokens that stay in
+// registers (beta and the value entries of the thread's two rows: 2-byte elements, below cp.async's 4
+// bytes; packed two to a register, which keeps the fp32 kernel within 128 registers without spills).
+struct SpecStreamItem {
+  int n, h, slice;
+  int read, err;
+  int w[kFixedMaxTokens];              // spec decode: the state after token t goes to row w[t] (< 0: none)
+  uint32_t beta[kFixedMaxTokens / 2];  // token 2 i in the low half, 2 i + 1 in the high half
+  uint32_t v[kFixedMaxTokens];         // token t: row 0 in the low half, row 1 in the high half
+  float a_log;
+};
+static_assert(kStreamRows == 2 && kFixedMaxTokens % 2 == 0, "two 16-bit values a register");
+
+template <int D>
+__device__ __forceinline__ void locate_stream_item(const DecodeArgs& a, int item, SpecStreamItem& it) {
+  using L = LatencyLayout<D, kStreamRows>;
+  const int per_request = static_cast<int>(a.H) * L::kSlices;
+  it.n = item / per_request;
+  const int rem = item - it.n * per_request;
+  it.h = rem / L::kSlices;
+  it.slice = rem - it.h * L::kSlices;
+}
+
+// Starts the loads of an item's token inputs: q, k, g of the lane's columns and dt_bias into the warp's
+// stage (cp.async, one commit group), beta, v and A_log into the item's registers.
+template <int D>
+__device__ __forceinline__ void load_spec_stream_bits(const DecodeArgs& a, int T, int warp, int lane,
+                                                      SpecStreamStage<D>& st, SpecStreamItem& it) {
+  using L = LatencyLayout<D, kStreamRows>;
+  constexpr int P = D / 64, PC = D / 32;  // bf16 pairs / columns a lane
+  const int H = static_cast<int>(a.H);
+  const unsigned short* v = reinterpret_cast<const unsigned short*>(a.v);
+  const unsigned short* beta = static_cast<const unsigned short*>(a.beta);
+  const bf16* g = static_cast<const bf16*>(a.g);
+#pragma unroll
+  for (int i = 0; i < kFixedMaxTokens / 2; ++i) it.beta[i] = 0;
+#pragma unroll
+  for (int t = 0; t < kFixedMaxTokens; ++t) {
+    it.v[t] = 0;
+    if (t < T) {
+      const int tok_head = (it.n * T + t) * H + it.h;  // 32-bit: fixed_layout_call
+      const int off = tok_head * D + lane * PC;        // 16-byte rows (fixed_layout_call): 4 P-byte aligned
+      cp_async_lane<4 * P>(&st.q[t][lane * P], a.q + off);
+      cp_async_lane<4 * P>(&st.k[t][lane * P], a.k + off);
+      cp_async_lane<4 * P>(&st.g[t][lane * P], g + off);
+      it.beta[t / 2] |= static_cast<uint32_t>(beta[tok_head]) << (16 * (t % 2));
+      it.v[t] = static_cast<uint32_t>(v[tok_head * D + L::row(it.slice, 0, warp, lane)]) |
+                static_cast<uint32_t>(v[tok_head * D + L::row(it.slice, 1, warp, lane)]) << 16;
+    }
+  }
+  const bool gated = a.gate_mode != kGatePrecomputed;
+  if (gated) {
+#pragma unroll
+    for (int i = 0; i < PC; ++i)
+      cp_async_lane<4>(&st.dtb[lane * PC + i], a.dt_bias + it.h * D + lane * PC + i);
+  }
+  it.a_log = gated ? a.A_log[it.h] : 0.f;
+  cp_async_lane_commit();
+}
+
+template <int D, bool kF32>
+__global__ void __launch_bounds__(kLatencyThreads, kStreamBlocksPerSm)
+    decode_spec_stream_kernel(const __grid_constant__ DecodeArgs a, const int checkers) {
+  using L = LatencyLayout<D, kStreamRows>;
+  using StateT = typename std::conditional<kF32, float, bf16>::type;
+  constexpr int P = D / 64, PC = D / 32;
+  __shared__ __align__(16) SpecStreamSmem<D> sm;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  decode_block_setup(a, &sm.err, &sm.param_touch);
+
+  const int b = static_cast<int>(blockIdx.x);
+  if (b < checkers) {
+    fixed_checker_block(a, b, checkers, &sm.err);
+    return;
+  }
+  const int G = static_cast<int>(gridDim.x) - checkers;
+  const int per_request = static_cast<int>(a.H) * L::kSlices;
+  const int items = static_cast<int>(a.N) * per_request;  // < 2^31: spec_stream_grid
+  const int T = static_cast<int>(a.T);
+  const bool spec = a.spec != 0;
+  const int j = lane % L::kLanesPerRow;
+  const int64_t head_rows = static_cast<int64_t>(a.H) * D;
+  StateT* pool = static_cast<StateT*>(a.pool);
+  const bool gated = a.gate_mode != kGatePrecomputed;
+  SpecStreamStage<D>& stage = sm.stage[warp];
+  int err = 0;
+
+  // Resolves an item's slots and starts its loads: state rows (clamped into the pool: a bad slot is
+  // reported, never read past the pool; a padded or failed item loads no state) and token bits.
+  auto start_item = [&](int item, const StreamSlots& sl, SpecStreamItem& it,
+                        RawStateRow<kF32>(&raw)[kStreamRows]) {
+    locate_stream_item<D>(a, item, it);
+    it.err = resolve_stream_slots(a, it.n, sl, &it.read);
+#pragma unroll
+    for (int t = 0; t < kFixedMaxTokens; ++t) it.w[t] = t < T ? sl.e[t] : -1;
+    if (it.err == 0 && it.read >= 0) {
+      const int64_t r = it.read < a.pool_rows ? it.read : a.pool_rows - 1;
+      const int64_t head = (r * a.H + it.h) * D;
+#pragma unroll
+      for (int q = 0; q < kStreamRows; ++q)
+        issue_state_row<D, kF32>(pool + (head + L::row(it.slice, q, warp, lane)) * D, j, raw[q]);
+    }
+    load_spec_stream_bits<D>(a, T, warp, lane, stage, it);
+  };
+
+  int item = b - checkers;  // < items: the host launches at most `items` state blocks
+  StreamSlots slots;        // of item + G (then of item + 2G)
+  SpecStreamItem nxt;       // item's record, then item + G's
+  RawStateRow<kF32> cur_s[kStreamRows], nxt_s[kStreamRows];
+  {
+    StreamSlots first;
+    load_stream_slots(a, item / per_request, first);
+    if (item + G < items) load_stream_slots(a, (item + G) / per_request, slots);
+    start_item(item, first, nxt, cur_s);
+  }
+  for (; item < items; item += G) {
+    const SpecStreamItem it = nxt;
+    // 1. This item's tokens into the warp's buffers (their bits landed in the stage an item ago).
+    cp_async_lane_wait_all();
+    const float expA = gated ? expf(it.a_log) : 0.f;
+    float dtb[PC];
+#pragma unroll
+    for (int i = 0; i < PC; ++i) dtb[i] = gated ? stage.dtb[lane * PC + i] : 0.f;
+    float beta[kFixedMaxTokens];
+#pragma unroll
+    for (int t = 0; t < kFixedMaxTokens; ++t) {
+      beta[t] = 0.f;
+      if (t < T) {
+        FixedTokenBits<D> bits;
+#pragma unroll
+        for (int i = 0; i < P; ++i) {
+          bits.q[i] = stage.q[t][lane * P + i];
+          bits.k[i] = stage.k[t][lane * P + i];
+          bits.g[i] = stage.g[t][lane * P + i];
+        }
+        bits.beta = it.beta[t / 2] >> (16 * (t % 2));  // bf16_bits_lo reads the low half
+        beta[t] = prep_fixed_token<D>(a, bits, expA, dtb, sm.tok[warp][t], lane);
+      }
+    }
+    __syncwarp();
+    // 2. The next item: its checks, state and token bits (the stage is this lane's own: read above);
+    // the slots of the one after.
+    if (item + G < items) start_item(item + G, slots, nxt, nxt_s);
+    if (item + 2 * G < items) load_stream_slots(a, (item + 2 * G) / per_request, slots);
+    // 3. This item: T tokens on the thread's rows, each token's out and state stored.
+    bf16* out = a.out + static_cast<int64_t>(it.n) * T * head_rows + it.h * D;
+    if (it.err != 0) {
+      err = it.err;            // writes nothing
+    } else if (it.read < 0) {  // padded request: zero its outputs, touch no state
+      if (j == 0) {
+        for (int t = 0; t < T; ++t) {
+#pragma unroll
+          for (int q = 0; q < kStreamRows; ++q)
+            out[t * head_rows + L::row(it.slice, q, warp, lane)] = __float2bfloat16_rn(0.f);
+        }
+      }
+    } else {
+      float s[kStreamRows][16];
+#pragma unroll
+      for (int q = 0; q < kStreamRows; ++q) state_row_floats<kF32>(cur_s[q], s[q]);
+#pragma unroll
+      for (int t = 0; t < kFixedMaxTokens; ++t) {
+        if (t >= T) break;
+        float v[kStreamRows], o[kStreamRows];
+        v[0] = bf16_bits_lo(it.v[t]), v[1] = bf16_bits_hi(it.v[t]);
+        advance_rows<D, kStreamRows>(s, sm.tok[warp][t], j, beta[t], v, o);
+        const int w = spec ? it.w[t] : (t == T - 1 ? it.read : -1);
+#pragma unroll
+        for (int q = 0; q < kStreamRows; ++q) {
+          const int row = L::row(it.slice, q, warp, lane);
+          if (j == 0) out[t * head_rows + row] = __float2bfloat16_rn(o[q]);
+          if (w >= 0)
+            store_state_row<D, kF32>(pool + (static_cast<int64_t>(w) * head_rows + it.h * D + row) * D, j,
+                                     s[q]);
+        }
+      }
+    }
+    __syncwarp();  // the token buffers are rewritten by the next item's preprocessing
+#pragma unroll
+    for (int q = 0; q < kStreamRows; ++q) cur_s[q] = nxt_s[q];
+  }
+  if (err != 0) atomicCAS(&sm.err, 0, err);
+  __syncthreads();
+  if (tid == 0) write_decode_error_words(a, sm.err);
+}
+
+// The spec stream kernel's grid for this call, or 0 when it does not apply (not a spec or several-token
+// call in the canonical layout, or too many requests for every checker block to be resident beside at
+// least one state block per SM).
+template <int D>
+int64_t spec_stream_grid(const DecodeArgs& a, int num_sms, int64_t* checkers) {
+  using L = LatencyLayout<D, kStreamRows>;
+  if (!(a.spec || a.T > 1) || !fixed_layout_call(a, D)) return 0;
+  *checkers = (a.N + kLatencyWarps - 1) / kLatencyWarps;
+  int64_t resident = static_cast<int64_t>(num_sms) * kStreamBlocksPerSm;
+  if (resident > kDecodeErrorSlots) resident = kDecodeErrorSlots;
+  int64_t state_blocks = resident - *checkers;
+  if (state_blocks < num_sms) return 0;
+  const int64_t items = static_cast<int64_t>(a.N) * a.H * L::kSlices;
+  if (items >= (int64_t{1} << 31)) return 0;
+  if (state_blocks > items) state_blocks = items;
+  return *checkers + state_blocks;
+}
+
+template <int D, bool kF32>
+Status launch_decode_spec_stream(const DecodeArgs& a, int64_t grid, int64_t checkers, bool pdl,
+                                 cudaStream_t stream) {
+  return launch_decode_grid(decode_spec_stream_kernel<D, kF32>, grid, kLatencyThreads, 0, pdl, stream,
+                            "decode_spec_stream_kernel", a, static_cast<int>(checkers));
+}
+
 // Kernel choice and launch for one head dim and state dtype (see DecodeKernel): kAuto takes the
-// fixed-layout kernel when the call is in that layout and fits one wave, else (plain decode of one
-// token in that layout) the stream kernel when its checker blocks fit, else the latency kernel when
-// its one wave fits, else the pipelined kernel.  Forcing a kernel the call cannot use falls through
+// fixed-layout kernel when the call is in that layout and fits one wave, else (in that layout) the
+// plain or spec stream kernel when its checker blocks fit, else the latency kernel when its one wave
+// fits, else the pipelined kernel.  Forcing a kernel the call cannot use falls through
 // to the next one in that order.
 template <int D, bool kF32>
 Status launch_decode_kernel(const DecodeArgs& a, DecodeKernel kernel, bool pdl, int num_sms,
@@ -236,6 +545,8 @@ Status launch_decode_kernel(const DecodeArgs& a, DecodeKernel kernel, bool pdl, 
     int64_t checkers = 0;
     const int64_t grid = plain_stream_grid<D>(a, num_sms, &checkers);
     if (grid > 0) return launch_decode_plain_stream<D, kF32>(a, grid, checkers, pdl, stream);
+    const int64_t spec_grid = spec_stream_grid<D>(a, num_sms, &checkers);
+    if (spec_grid > 0) return launch_decode_spec_stream<D, kF32>(a, spec_grid, checkers, pdl, stream);
   }
   const int rows = kernel == DecodeKernel::kPipelined ? 0 : latency_rows_per_thread<D>(a);
   if (rows == 1) return launch_decode_latency<D, kF32, 1>(a, pdl, stream);

@@ -777,3 +777,73 @@ def test_many_plain_requests_device_error(gen, bad):
     else:
         assert code == ERR_SLOT_CONFLICT, f"seed {seed_of(gen)}: device error {code}"
     assert torch.isfinite(pool.float()).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Many spec-decode / several-token requests in the fixed layout (the spec stream kernel under the
+# default choice): padding, skipped writes, index rows wider than 4 entries (read slot past the 4
+# entries loaded ahead), and each device error among more requests than the one-wave kernels take.
+
+@pytest.mark.parametrize("state_dtype", [FP32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("S", [4, 6])
+def test_many_spec_requests(gen, S, D, state_dtype):
+    N, T, H = 300, 4, 4
+    inp = tokens(gen, N=N, T=T, H=H, D=D)
+    P = N * S + 9
+    idx, acc = spec_indices(gen, N, S, P)
+    rng = random.Random(seed_of(gen))
+    for n in rng.sample(range(N), 11):
+        idx[n, int(acc[n]) - 1] = -1  # padded requests
+    for n in rng.sample(range(N), 17):  # skipped writes (a token's state not kept)
+        t = rng.randrange(T)
+        if t != int(acc[n]) - 1:
+            idx[n, t] = -1
+    check_decode(gen, inp, new_pool(gen, P, H, D, state_dtype), idx.to(DEV), acc.to(DEV))
+
+
+@pytest.mark.parametrize("state_dtype", [FP32, BF16], ids=["fp32", "bf16"])
+def test_many_plain_requests_several_tokens(gen, state_dtype):
+    N, T, H, D = 300, 3, 4, 128
+    inp = tokens(gen, N=N, T=T, H=H, D=D)
+    P = N + 7
+    idx = perm(gen, P)[:N].to(torch.int32)
+    idx[torch.randperm(N, generator=gen)[:9]] = -1
+    check_decode(gen, inp, new_pool(gen, P, H, D, state_dtype), idx.to(DEV))
+
+
+@pytest.mark.parametrize("bad", ["acc_0", "acc_gt_S", "ge_P_read", "ge_P_entry5", "dup_write", "read_written"])
+def test_many_spec_requests_device_error(gen, bad):
+    N, T, S, H, D = 200, 4, 6, 4, 128
+    inp = tokens(gen, N=N, T=T, H=H, D=D)
+    P = N * S + 5
+    idx, acc = spec_indices(gen, N, S, P)
+    acc = acc.clamp(max=T)  # every read slot among the written ones unless a case moves it
+    k = int(torch.randint(N, (1,), generator=gen))
+    m = (k + 1 + int(torch.randint(N - 1, (1,), generator=gen))) % N
+    expect = ERR_STATE_INDEX
+    if bad == "acc_0":
+        acc[k], expect = 0, ERR_ACCEPTED
+    elif bad == "acc_gt_S":
+        acc[k], expect = S + 1, ERR_ACCEPTED
+    elif bad == "ge_P_read":
+        idx[k, int(acc[k]) - 1] = P + 2
+    elif bad == "ge_P_entry5":
+        idx[k, 5] = P  # an entry past the 4 loaded ahead, never read or written: still an error
+    elif bad == "dup_write":
+        idx[k, 1], expect = idx[m, 2], ERR_SLOT_CONFLICT
+    else:  # request k writes the row request m reads
+        idx[k, 0], expect = idx[m, int(acc[m]) - 1], ERR_SLOT_CONFLICT
+    pool = new_pool(gen, P, H, D)
+    before = pool.clone()
+    ws = workspace()
+    run_decode(inp, pool, idx.to(DEV), acc.to(DEV), ws=ws)
+    code = flashkda.read_device_error(ws)
+    assert code == expect, f"seed {seed_of(gen)}: device error {code}, expected {expect}"
+    owned = set(int(r) for r in idx.flatten() if 0 <= r < P)
+    untouched = [r for r in range(P) if r not in owned]
+    assert torch.equal(pool[untouched], before[untouched]), f"seed {seed_of(gen)}: rows no request owns changed"
+    if expect != ERR_SLOT_CONFLICT:  # the bad request writes nothing
+        rows = [int(r) for r in idx[k] if 0 <= r < P]
+        assert torch.equal(pool[rows], before[rows]), f"seed {seed_of(gen)}: the bad request's rows were written"
+    assert torch.isfinite(pool.float()).all()
