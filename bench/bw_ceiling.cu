@@ -80,8 +80,8 @@ __global__ void __launch_bounds__(kThreads) rmw_kernel(float* pool, const int* r
 }
 
 // Speculative decode 1 + 3: item i's slice read at rows[n], written to wrows[4 n + t], t = 0..3.
-__global__ void __launch_bounds__(kThreads) spec_kernel(float* pool, const int* rows, const int* wrows,
-                                                        int items) {
+__global__ void __launch_bounds__(kThreads)
+    spec_kernel(float* pool, const int* rows, const int* wrows, int items) {
   constexpr int kPer = kSliceFloats / 4 / kThreads;
   constexpr int kPerRequest = kH * (kD / kSliceRows);
   const size_t row_floats = static_cast<size_t>(kH) * kD * kD;
@@ -278,8 +278,8 @@ int main(int argc, char** argv) {
     for (int per_sm : {2, 4, 8, 16}) {
       const int grid = std::min(items, sms * per_sm);
       const float t = time_us([&] { spec_kernel<<<grid, kThreads>>>(pool, rows_rand, wrows, items); }, 20);
-      std::printf("spec-rand %2d/SM %8.1f us  %5.2f TB/s  %5.1f%% of memcpy\n", per_sm, t, bytes_spec / t * 1e-6,
-                  100.f * (bytes_spec / t) / (bytes_rw / t_memcpy));
+      std::printf("spec-rand %2d/SM %8.1f us  %5.2f TB/s  %5.1f%% of memcpy\n", per_sm, t,
+                  bytes_spec / t * 1e-6, 100.f * (bytes_spec / t) / (bytes_rw / t_memcpy));
     }
     CHECK(cudaFree(wrows));
   }

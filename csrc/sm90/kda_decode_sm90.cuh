@@ -240,10 +240,10 @@ Status launch_decode_grid(void (*kernel)(Params...), int64_t grid, int threads, 
 // Which decode kernel runs a call.  kAuto: for few requests (a chain of round trips, not a stream)
 // the fixed-layout kernel (kda_decode_fixed.cuh) when the call is in the fixed layout with at most 4
 // tokens a request, else the latency kernel (kda_decode_latency.cuh), each when its one-wave grid
-// fits; many requests: calls in the fixed layout a stream kernel (kda_decode_stream.cuh: plain one-token
-// calls, or spec / several-token calls), the others the pipelined kernel (kda_decode_pipelined.cuh).  The
-// others force one (dev switch for A/B runs; a forced kernel falls back to the next in that order when the
-// call does not fit).
+// fits; many requests in the fixed layout: a stream kernel (kda_decode_stream.cuh: plain one-token calls,
+// and spec / several-token calls on bf16 pools), the others the pipelined kernel (kda_decode_pipelined.cuh).
+// The others force one (dev switch for A/B runs; a forced kernel falls back to the next in that order when
+// the call does not fit).
 enum class DecodeKernel { kAuto, kPipelined, kLatency, kFixedLayout, kStream };
 
 // Explicit instantiations live in kda_decode_sm90_d{64,128}.cu (fp32 and bf16 pools each).  Both

@@ -229,8 +229,9 @@ Status launch_decode_plain_stream(const DecodeArgs& a, int64_t grid, int64_t che
 //   - item i + 2G: the request's slots (num_accepted and the first 4 index entries) start loading;
 //   - item i + G: its read slot is picked from those registers (the entry acc - 1; a load only when
 //     acc > 4) and checked, and its state rows (raw registers) and its tokens' bits start loading;
-//   - item i: the warp preprocesses its T tokens (D / 32 columns a lane each, into the warp's own
-//     TokenBuf per token), then advances its rows token by token, storing out and each token's state.
+//   - item i: warp t preprocesses token t (D / 32 columns a lane, into the block's TokenBuf of token t,
+//     double-buffered by item parity), one block barrier an item publishes the tokens, then every warp
+//     advances its rows token by token, storing out and each token's state.
 // A request's three round trips (acc -> index entry -> state) thus lie under two items' math.
 // Measured without math (bench/bw_ceiling.cu spec-rand, H200): read once and written 4 times at random
 // rows, this pattern reaches 87% of memcpy's read + write bandwidth at N = 256 and 91-94% of a
@@ -238,23 +239,30 @@ Status launch_decode_plain_stream(const DecodeArgs& a, int64_t grid, int64_t che
 // Work item, grid and errors: as decode_plain_stream_kernel (LatencyLayout<D, 2>; checker blocks first,
 // fixed_checker_block's spec-aware conflict check; the fixed kernel's per-request checks, so a request
 // with a bad count or slot writes nothing, and a padded one zeroes its T outputs).
-// Shared memory: 4 warps x 4 TokenBuf (24.8 KB at D = 128) and each warp's stage for the next item's
-// q, k, g and dt_bias bits (cp.async, 3.5 KB a warp).  Registers: 2 x 32 state words, two item
-// records (~20 words each) and a slot record: 111-125, no spills, at the 128 cap of 4 blocks per SM.
+// Shared memory: 2 x 4 TokenBuf (12.4 KB at D = 128) and each warp's stage for the next item's q, k, g
+// of its token and dt_bias (cp.async, 1.3 KB a warp).  Registers: 2 x 16 state words, two item records
+// (~13 words each) and a slot record: 125-126, no spills, at the 128 cap of 4 blocks per SM.
+// bf16 pools only: with fp32 state (2 x 32 words) it spills at 4 blocks per SM and measured slower
+// than the pipelined kernel, which keeps fp32 spec calls (perf-notes d11: spec 1+3 N = 256 bf16 222 us
+// vs 250, fp32 453 vs 389).
 
 // One warp's raw token bits of its next item, copied by cp.async so that they occupy no registers
-// while the current item is computed (as registers they pushed the fp32 kernel past 128: 132 bytes
-// of spills).  Each lane copies, and later reads, only its own D / 32 columns.
+// while the current item is computed.  Each lane copies, and later reads, only its own D / 32 columns.
+constexpr int kSpecStreamBlocksPerSm = 4;
+
 template <int D>
 struct SpecStreamStage {
-  uint32_t q[kFixedMaxTokens][D / 2], k[kFixedMaxTokens][D / 2], g[kFixedMaxTokens][D / 2];  // bf16 pairs
+  uint32_t q[D / 2], k[D / 2], g[D / 2];  // bf16 pairs of token w (warp w) of the next item
   float dtb[D];
 };
 
 template <int D>
 struct SpecStreamSmem {
-  TokenBuf<D> tok[kLatencyWarps][kFixedMaxTokens];  // warp w's tokens of its current item
-  SpecStreamStage<D> stage[kLatencyWarps];          // warp w's bits of its next item
+  // Item k's tokens in tok[k % 2] (token t by warp t), so that warp t can preprocess item k + 1's
+  // token while the other warps still compute item k: one block barrier an item.
+  TokenBuf<D> tok[2][kFixedMaxTokens];
+  float beta[2][kFixedMaxTokens];
+  SpecStreamStage<D> stage[kLatencyWarps];
   int err;
   uint32_t param_touch;
 };
@@ -272,38 +280,41 @@ __device__ __forceinline__ void cp_async_lane_wait_all() {
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 }
 
-// A request's slots as loaded two items ahead: idx[n, t] for t < min(S, 4) (1-D: e[0] = idx[n]) and,
-// for spec decode, num_accepted[n].
+// A request's slots as loaded two items ahead, one value a lane: lane t < 4 holds idx[n, t] (-1 past
+// S; 1-D: lane 0 holds idx[n]), lane 4 num_accepted[n] (spec decode).  Loaded as the same value in every
+// lane they would be warp-uniform, and the compiler moves uniform values into uniform registers right
+// after the load, waiting for it there (ncu: long_sb on R2UR): a round trip an item on the warp's path.
 struct StreamSlots {
-  int e[kFixedMaxTokens];
-  int acc;
+  int word;
 };
 
-__device__ __forceinline__ void load_stream_slots(const DecodeArgs& a, int n, StreamSlots& sl) {
-  const int* idx = static_cast<const int*>(a.idx);
+__device__ __forceinline__ void load_stream_slots(const DecodeArgs& a, int n, int lane, StreamSlots& sl) {
   const int S = static_cast<int>(a.slots);
-  sl.acc = a.spec ? static_cast<const int*>(a.num_accepted)[n] : 1;
-#pragma unroll
-  for (int t = 0; t < kFixedMaxTokens; ++t) sl.e[t] = t < S ? idx[n * S + t] : -1;
+  const int* idx = static_cast<const int*>(a.idx);
+  sl.word = -1;
+  if (lane < kFixedMaxTokens && lane < S) sl.word = idx[n * S + lane];
+  if (lane == kFixedMaxTokens && a.spec) sl.word = static_cast<const int*>(a.num_accepted)[n];
 }
 
 // The checks of decode_fixed_layout_kernel on an item's request: sets `read` (the read slot; the
-// caller clamps its loads) and returns the device error code (0: valid).
+// caller clamps its loads) and e[t] = idx[n, t] (t < 4), and returns the device error code (0: valid).
 __device__ __forceinline__ int resolve_stream_slots(const DecodeArgs& a, int n, const StreamSlots& sl,
-                                                    int* read) {
+                                                    int (&e)[kFixedMaxTokens], int* read) {
   const int S = static_cast<int>(a.slots);
+#pragma unroll
+  for (int t = 0; t < kFixedMaxTokens; ++t) e[t] = __shfl_sync(0xffffffffu, sl.word, t);
   if (!a.spec) {
-    *read = sl.e[0];
-    return sl.e[0] >= a.pool_rows ? static_cast<int>(DeviceError::kBadStateIndex) : 0;
+    *read = e[0];
+    return e[0] >= a.pool_rows ? static_cast<int>(DeviceError::kBadStateIndex) : 0;
   }
-  const int acc = sl.acc;
+  const int acc = __shfl_sync(0xffffffffu, sl.word, kFixedMaxTokens);
   if (acc < 1 || acc > S) {
-    *read = sl.e[0];
+    *read = e[0];
     return static_cast<int>(DeviceError::kBadAcceptedCount);
   }
   const int* idx = static_cast<const int*>(a.idx);
   const int col = acc - 1;  // selects, not a dynamically indexed array (that would live in local memory)
-  int r = col == 0 ? sl.e[0] : col == 1 ? sl.e[1] : col == 2 ? sl.e[2] : sl.e[3];
+  int r = col == 0 ? e[0] : col == 1 ? e[1] : col == 2 ? e[2] : e[3];
   if (col >= kFixedMaxTokens) r = idx[n * S + col];
   *read = r;
   int err = 0;
@@ -311,27 +322,35 @@ __device__ __forceinline__ int resolve_stream_slots(const DecodeArgs& a, int n, 
   if (r >= a.pool_rows) err = static_cast<int>(DeviceError::kBadStateIndex);
 #pragma unroll
   for (int t = 0; t < kFixedMaxTokens; ++t)
-    if (sl.e[t] >= a.pool_rows) err = static_cast<int>(DeviceError::kBadStateIndex);
-  for (int e = kFixedMaxTokens; e < S; ++e)  // rows wider than 4 entries (rare)
-    if (idx[n * S + e] >= a.pool_rows) err = static_cast<int>(DeviceError::kBadStateIndex);
+    if (e[t] >= a.pool_rows) err = static_cast<int>(DeviceError::kBadStateIndex);
+  for (int c = kFixedMaxTokens; c < S; ++c)  // rows wider than 4 entries (rare)
+    if (idx[n * S + c] >= a.pool_rows) err = static_cast<int>(DeviceError::kBadStateIndex);
   return err;
 }
 
 // An item: where it is, what its request's checks said, and the bits of its tokens that stay in
-// registers (beta and the value entries of the thread's two rows: 2-byte elements, below cp.async's 4
-// bytes; packed two to a register, which keeps the fp32 kernel within 128 registers without spills).
+// registers: beta and the value entries (2-byte elements, below cp.async's 4 bytes).  The warp's
+// values are spread one a lane (lane 0 of warp t holds beta of token t; the value entries of the warp's
+// 2 x kRowsPerWarp rows of token t in lanes 2 kRowsPerWarp t ...) and shuffled to their users at use.  Kept a
+// thread each they cost 12 registers (spills at 128); packed two to a register, the packing waited for each
+// load right after it was issued (ncu: long_sb on the PRMT, 4 round trips an item, the kernel slower than the
+// pipelined one).
+template <int D>
 struct SpecStreamItem {
+  using L = LatencyLayout<D, kStreamRows>;
+  static constexpr int kValuesPerToken = kStreamRows * L::kRowsPerWarp;
+  static constexpr int kValueRegs = kFixedMaxTokens * kValuesPerToken / 32;  // D = 128: 1, D = 64: 2
+  static_assert(32 % kValuesPerToken == 0, "a token's value entries within one register of the lanes");
   int n, h, slice;
   int read, err;
-  int w[kFixedMaxTokens];              // spec decode: the state after token t goes to row w[t] (< 0: none)
-  uint32_t beta[kFixedMaxTokens / 2];  // token 2 i in the low half, 2 i + 1 in the high half
-  uint32_t v[kFixedMaxTokens];         // token t: row 0 in the low half, row 1 in the high half
-  float a_log;
+  int w[kFixedMaxTokens];  // spec decode: the state after token t goes to row w[t] (< 0: not written)
+  uint32_t beta;           // lane 0 of warp t: beta of token t
+  uint32_t v[kValueRegs];  // entry f = 32 i + lane: token f / kValuesPerToken, row slot f % kValuesPerToken
+  float a_log;             // lane 0 (not a uniform load, see StreamSlots)
 };
-static_assert(kStreamRows == 2 && kFixedMaxTokens % 2 == 0, "two 16-bit values a register");
 
 template <int D>
-__device__ __forceinline__ void locate_stream_item(const DecodeArgs& a, int item, SpecStreamItem& it) {
+__device__ __forceinline__ void locate_stream_item(const DecodeArgs& a, int item, SpecStreamItem<D>& it) {
   using L = LatencyLayout<D, kStreamRows>;
   const int per_request = static_cast<int>(a.H) * L::kSlices;
   it.n = item / per_request;
@@ -340,48 +359,50 @@ __device__ __forceinline__ void locate_stream_item(const DecodeArgs& a, int item
   it.slice = rem - it.h * L::kSlices;
 }
 
-// Starts the loads of an item's token inputs: q, k, g of the lane's columns and dt_bias into the warp's
-// stage (cp.async, one commit group), beta, v and A_log into the item's registers.
+// Starts the loads of an item's token inputs: q, k, g of token `warp` (the one this warp preprocesses)
+// for the lane's columns and dt_bias into the warp's stage (cp.async, one commit group); beta and the
+// value entries of every token for the thread's rows, and A_log, into the item's registers.
 template <int D>
 __device__ __forceinline__ void load_spec_stream_bits(const DecodeArgs& a, int T, int warp, int lane,
-                                                      SpecStreamStage<D>& st, SpecStreamItem& it) {
+                                                      SpecStreamStage<D>& st, SpecStreamItem<D>& it) {
   using L = LatencyLayout<D, kStreamRows>;
   constexpr int P = D / 64, PC = D / 32;  // bf16 pairs / columns a lane
   const int H = static_cast<int>(a.H);
   const unsigned short* v = reinterpret_cast<const unsigned short*>(a.v);
   const unsigned short* beta = static_cast<const unsigned short*>(a.beta);
   const bf16* g = static_cast<const bf16*>(a.g);
+  const bool gated = a.gate_mode != kGatePrecomputed;
+  if (warp < T) {
+    const int tok_head = (it.n * T + warp) * H + it.h;  // 32-bit: fixed_layout_call
+    const int off = tok_head * D + lane * PC;           // 16-byte rows (fixed_layout_call): 4 P-byte aligned
+    cp_async_lane<4 * P>(&st.q[lane * P], a.q + off);
+    cp_async_lane<4 * P>(&st.k[lane * P], a.k + off);
+    cp_async_lane<4 * P>(&st.g[lane * P], g + off);
+    if (gated) {
 #pragma unroll
-  for (int i = 0; i < kFixedMaxTokens / 2; ++i) it.beta[i] = 0;
-#pragma unroll
-  for (int t = 0; t < kFixedMaxTokens; ++t) {
-    it.v[t] = 0;
-    if (t < T) {
-      const int tok_head = (it.n * T + t) * H + it.h;  // 32-bit: fixed_layout_call
-      const int off = tok_head * D + lane * PC;        // 16-byte rows (fixed_layout_call): 4 P-byte aligned
-      cp_async_lane<4 * P>(&st.q[t][lane * P], a.q + off);
-      cp_async_lane<4 * P>(&st.k[t][lane * P], a.k + off);
-      cp_async_lane<4 * P>(&st.g[t][lane * P], g + off);
-      it.beta[t / 2] |= static_cast<uint32_t>(beta[tok_head]) << (16 * (t % 2));
-      it.v[t] = static_cast<uint32_t>(v[tok_head * D + L::row(it.slice, 0, warp, lane)]) |
-                static_cast<uint32_t>(v[tok_head * D + L::row(it.slice, 1, warp, lane)]) << 16;
+      for (int i = 0; i < PC; ++i)
+        cp_async_lane<4>(&st.dtb[lane * PC + i], a.dt_bias + it.h * D + lane * PC + i);
     }
   }
-  const bool gated = a.gate_mode != kGatePrecomputed;
-  if (gated) {
+  it.beta = lane == 0 && warp < T ? beta[(it.n * T + warp) * H + it.h] : 0u;
+  using I = SpecStreamItem<D>;
 #pragma unroll
-    for (int i = 0; i < PC; ++i)
-      cp_async_lane<4>(&st.dtb[lane * PC + i], a.dt_bias + it.h * D + lane * PC + i);
+  for (int i = 0; i < I::kValueRegs; ++i) {
+    const int f = 32 * i + lane, t = f / I::kValuesPerToken, slot = f % I::kValuesPerToken;
+    const int row =
+        L::row(it.slice, slot / L::kRowsPerWarp, warp, (slot % L::kRowsPerWarp) * L::kLanesPerRow);
+    it.v[i] = t < T ? v[((it.n * T + t) * H + it.h) * D + row] : 0u;
   }
-  it.a_log = gated ? a.A_log[it.h] : 0.f;
+  it.a_log = gated && lane == 0 ? a.A_log[it.h] : 0.f;
   cp_async_lane_commit();
 }
 
-template <int D, bool kF32>
-__global__ void __launch_bounds__(kLatencyThreads, kStreamBlocksPerSm)
+template <int D>
+__global__ void __launch_bounds__(kLatencyThreads, kSpecStreamBlocksPerSm)
     decode_spec_stream_kernel(const __grid_constant__ DecodeArgs a, const int checkers) {
+  constexpr bool kF32 = false;  // bf16 pools (see above)
   using L = LatencyLayout<D, kStreamRows>;
-  using StateT = typename std::conditional<kF32, float, bf16>::type;
+  using StateT = bf16;
   constexpr int P = D / 64, PC = D / 32;
   __shared__ __align__(16) SpecStreamSmem<D> sm;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -406,12 +427,13 @@ __global__ void __launch_bounds__(kLatencyThreads, kStreamBlocksPerSm)
 
   // Resolves an item's slots and starts its loads: state rows (clamped into the pool: a bad slot is
   // reported, never read past the pool; a padded or failed item loads no state) and token bits.
-  auto start_item = [&](int item, const StreamSlots& sl, SpecStreamItem& it,
+  auto start_item = [&](int item, const StreamSlots& sl, SpecStreamItem<D>& it,
                         RawStateRow<kF32>(&raw)[kStreamRows]) {
     locate_stream_item<D>(a, item, it);
-    it.err = resolve_stream_slots(a, it.n, sl, &it.read);
+    int e[kFixedMaxTokens];
+    it.err = resolve_stream_slots(a, it.n, sl, e, &it.read);
 #pragma unroll
-    for (int t = 0; t < kFixedMaxTokens; ++t) it.w[t] = t < T ? sl.e[t] : -1;
+    for (int t = 0; t < kFixedMaxTokens; ++t) it.w[t] = t < T ? e[t] : -1;
     if (it.err == 0 && it.read >= 0) {
       const int64_t r = it.read < a.pool_rows ? it.read : a.pool_rows - 1;
       const int64_t head = (r * a.H + it.h) * D;
@@ -424,43 +446,42 @@ __global__ void __launch_bounds__(kLatencyThreads, kStreamBlocksPerSm)
 
   int item = b - checkers;  // < items: the host launches at most `items` state blocks
   StreamSlots slots;        // of item + G (then of item + 2G)
-  SpecStreamItem nxt;       // item's record, then item + G's
+  SpecStreamItem<D> nxt;    // item's record, then item + G's
   RawStateRow<kF32> cur_s[kStreamRows], nxt_s[kStreamRows];
   {
     StreamSlots first;
-    load_stream_slots(a, item / per_request, first);
-    if (item + G < items) load_stream_slots(a, (item + G) / per_request, slots);
+    load_stream_slots(a, item / per_request, lane, first);
+    if (item + G < items) load_stream_slots(a, (item + G) / per_request, lane, slots);
     start_item(item, first, nxt, cur_s);
   }
-  for (; item < items; item += G) {
-    const SpecStreamItem it = nxt;
-    // 1. This item's tokens into the warp's buffers (their bits landed in the stage an item ago).
+  for (int k = 0; item < items; item += G, ++k) {
+    const SpecStreamItem<D> it = nxt;
+    const int buf = k & 1;
+    // 1. Warp t preprocesses this item's token t (its bits landed in the warp's stage an item ago).
     cp_async_lane_wait_all();
-    const float expA = gated ? expf(it.a_log) : 0.f;
-    float dtb[PC];
+    if (warp < T) {
+      const float expA = gated ? expf(__shfl_sync(0xffffffffu, it.a_log, 0)) : 0.f;
+      float dtb[PC];
 #pragma unroll
-    for (int i = 0; i < PC; ++i) dtb[i] = gated ? stage.dtb[lane * PC + i] : 0.f;
-    float beta[kFixedMaxTokens];
+      for (int i = 0; i < PC; ++i) dtb[i] = gated ? stage.dtb[lane * PC + i] : 0.f;
+      FixedTokenBits<D> bits;
 #pragma unroll
-    for (int t = 0; t < kFixedMaxTokens; ++t) {
-      beta[t] = 0.f;
-      if (t < T) {
-        FixedTokenBits<D> bits;
-#pragma unroll
-        for (int i = 0; i < P; ++i) {
-          bits.q[i] = stage.q[t][lane * P + i];
-          bits.k[i] = stage.k[t][lane * P + i];
-          bits.g[i] = stage.g[t][lane * P + i];
-        }
-        bits.beta = it.beta[t / 2] >> (16 * (t % 2));  // bf16_bits_lo reads the low half
-        beta[t] = prep_fixed_token<D>(a, bits, expA, dtb, sm.tok[warp][t], lane);
+      for (int i = 0; i < P; ++i) {
+        bits.q[i] = stage.q[lane * P + i];
+        bits.k[i] = stage.k[lane * P + i];
+        bits.g[i] = stage.g[lane * P + i];
       }
+      bits.beta = __shfl_sync(0xffffffffu, it.beta, 0);
+      const float b = prep_fixed_token<D>(a, bits, expA, dtb, sm.tok[buf][warp], lane);
+      if (lane == 0) sm.beta[buf][warp] = b;
     }
-    __syncwarp();
     // 2. The next item: its checks, state and token bits (the stage is this lane's own: read above);
     // the slots of the one after.
     if (item + G < items) start_item(item + G, slots, nxt, nxt_s);
-    if (item + 2 * G < items) load_stream_slots(a, (item + 2 * G) / per_request, slots);
+    if (item + 2 * G < items) load_stream_slots(a, (item + 2 * G) / per_request, lane, slots);
+    // Every warp's token of this item in tok[buf]; every warp done with item k - 1's tok[buf ^ 1]...
+    // which is only rewritten after the next barrier.
+    __syncthreads();
     // 3. This item: T tokens on the thread's rows, each token's out and state stored.
     bf16* out = a.out + static_cast<int64_t>(it.n) * T * head_rows + it.h * D;
     if (it.err != 0) {
@@ -481,8 +502,13 @@ __global__ void __launch_bounds__(kLatencyThreads, kStreamBlocksPerSm)
       for (int t = 0; t < kFixedMaxTokens; ++t) {
         if (t >= T) break;
         float v[kStreamRows], o[kStreamRows];
-        v[0] = bf16_bits_lo(it.v[t]), v[1] = bf16_bits_hi(it.v[t]);
-        advance_rows<D, kStreamRows>(s, sm.tok[warp][t], j, beta[t], v, o);
+#pragma unroll
+        for (int q = 0; q < kStreamRows; ++q) {  // entry t kValuesPerToken + q kRowsPerWarp + lane row
+          constexpr int kVT = SpecStreamItem<D>::kValuesPerToken;
+          const int f = t * kVT + q * L::kRowsPerWarp + lane / L::kLanesPerRow;
+          v[q] = bf16_bits_lo(__shfl_sync(0xffffffffu, it.v[(t * kVT) / 32], f % 32));
+        }
+        advance_rows<D, kStreamRows>(s, sm.tok[buf][t], j, sm.beta[buf][t], v, o);
         const int w = spec ? it.w[t] : (t == T - 1 ? it.read : -1);
 #pragma unroll
         for (int q = 0; q < kStreamRows; ++q) {
@@ -494,7 +520,6 @@ __global__ void __launch_bounds__(kLatencyThreads, kStreamBlocksPerSm)
         }
       }
     }
-    __syncwarp();  // the token buffers are rewritten by the next item's preprocessing
 #pragma unroll
     for (int q = 0; q < kStreamRows; ++q) cur_s[q] = nxt_s[q];
   }
@@ -511,7 +536,7 @@ int64_t spec_stream_grid(const DecodeArgs& a, int num_sms, int64_t* checkers) {
   using L = LatencyLayout<D, kStreamRows>;
   if (!(a.spec || a.T > 1) || !fixed_layout_call(a, D)) return 0;
   *checkers = (a.N + kLatencyWarps - 1) / kLatencyWarps;
-  int64_t resident = static_cast<int64_t>(num_sms) * kStreamBlocksPerSm;
+  int64_t resident = static_cast<int64_t>(num_sms) * kSpecStreamBlocksPerSm;
   if (resident > kDecodeErrorSlots) resident = kDecodeErrorSlots;
   int64_t state_blocks = resident - *checkers;
   if (state_blocks < num_sms) return 0;
@@ -521,18 +546,18 @@ int64_t spec_stream_grid(const DecodeArgs& a, int num_sms, int64_t* checkers) {
   return *checkers + state_blocks;
 }
 
-template <int D, bool kF32>
+template <int D>
 Status launch_decode_spec_stream(const DecodeArgs& a, int64_t grid, int64_t checkers, bool pdl,
                                  cudaStream_t stream) {
-  return launch_decode_grid(decode_spec_stream_kernel<D, kF32>, grid, kLatencyThreads, 0, pdl, stream,
+  return launch_decode_grid(decode_spec_stream_kernel<D>, grid, kLatencyThreads, 0, pdl, stream,
                             "decode_spec_stream_kernel", a, static_cast<int>(checkers));
 }
 
 // Kernel choice and launch for one head dim and state dtype (see DecodeKernel): kAuto takes the
 // fixed-layout kernel when the call is in that layout and fits one wave, else (in that layout) the
-// plain or spec stream kernel when its checker blocks fit, else the latency kernel when its one wave
-// fits, else the pipelined kernel.  Forcing a kernel the call cannot use falls through
-// to the next one in that order.
+// plain stream kernel or (bf16 pools) the spec stream kernel when its checker blocks fit, else the latency
+// kernel when its one wave fits, else the pipelined kernel.  Forcing a kernel the call cannot use falls
+// through to the next one in that order.
 template <int D, bool kF32>
 Status launch_decode_kernel(const DecodeArgs& a, DecodeKernel kernel, bool pdl, int num_sms,
                             cudaStream_t stream) {
@@ -545,8 +570,10 @@ Status launch_decode_kernel(const DecodeArgs& a, DecodeKernel kernel, bool pdl, 
     int64_t checkers = 0;
     const int64_t grid = plain_stream_grid<D>(a, num_sms, &checkers);
     if (grid > 0) return launch_decode_plain_stream<D, kF32>(a, grid, checkers, pdl, stream);
-    const int64_t spec_grid = spec_stream_grid<D>(a, num_sms, &checkers);
-    if (spec_grid > 0) return launch_decode_spec_stream<D, kF32>(a, spec_grid, checkers, pdl, stream);
+    if constexpr (!kF32) {  // fp32 pools: the pipelined kernel (see decode_spec_stream_kernel)
+      const int64_t spec_grid = spec_stream_grid<D>(a, num_sms, &checkers);
+      if (spec_grid > 0) return launch_decode_spec_stream<D>(a, spec_grid, checkers, pdl, stream);
+    }
   }
   const int rows = kernel == DecodeKernel::kPipelined ? 0 : latency_rows_per_thread<D>(a);
   if (rows == 1) return launch_decode_latency<D, kF32, 1>(a, pdl, stream);
