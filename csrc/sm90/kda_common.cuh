@@ -332,13 +332,24 @@ __device__ inline void load_b_frag_kn(uint32_t (&b)[4], const bf16* x, int ld, i
   ldmatrix_x4_trans(b, smem_addr(x + kr * ld + nc));
 }
 
-__device__ inline void cp_async_16(void* smem, const void* gmem) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(smem)), "l"(gmem));
+// cp.async of kBytes from global to shared memory (16: .cg, cached in L2 only; 8, 4: .ca).  The
+// memory clobbers keep the compiler from moving shared-memory accesses across the copy, the commit or
+// the wait.
+template <int kBytes>
+__device__ inline void cp_async(void* smem, const void* gmem) {
+  static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async copies 4, 8 or 16 bytes");
+  if constexpr (kBytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(smem)), "l"(gmem) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(smem_addr(smem)), "l"(gmem), "n"(kBytes)
+                 : "memory");
+  }
 }
-__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ inline void cp_async_16(void* smem, const void* gmem) { cp_async<16>(smem, gmem); }
+__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ inline void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // ---- mbarrier and TMA bulk copy primitives (sm_90) ---------------------------------------------------

@@ -111,17 +111,11 @@ __device__ inline void copy_row_async(void* dst, const void* src, int bytes, int
   char* d = static_cast<char*>(dst);
   const char* s = static_cast<const char*>(src);
   if (align >= 16) {
-    for (int o = lane * 16; o < bytes; o += 32 * 16)
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(d + o)), "l"(s + o)
-                   : "memory");
+    for (int o = lane * 16; o < bytes; o += 32 * 16) cp_async<16>(d + o, s + o);
   } else if (align == 8) {
-    for (int o = lane * 8; o < bytes; o += 32 * 8)
-      asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(d + o)), "l"(s + o)
-                   : "memory");
+    for (int o = lane * 8; o < bytes; o += 32 * 8) cp_async<8>(d + o, s + o);
   } else if (align == 4) {
-    for (int o = lane * 4; o < bytes; o += 32 * 4)
-      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(d + o)), "l"(s + o)
-                   : "memory");
+    for (int o = lane * 4; o < bytes; o += 32 * 4) cp_async<4>(d + o, s + o);
   } else {
     for (int o = lane * 2; o < bytes; o += 32 * 2)
       *reinterpret_cast<uint16_t*>(d + o) = *reinterpret_cast<const uint16_t*>(s + o);

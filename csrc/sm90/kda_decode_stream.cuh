@@ -69,6 +69,18 @@ __device__ __forceinline__ void state_row_floats(const RawStateRow<kF32>& r, flo
   }
 }
 
+// Item -> (request n, head h, row slice) of a stream kernel's items (n-major, then head, then slice).
+template <int D>
+__device__ __forceinline__ void stream_item_coords(const DecodeArgs& a, int item, int& n, int& h,
+                                                   int& slice) {
+  using L = LatencyLayout<D, kStreamRows>;
+  const int per_request = static_cast<int>(a.H) * L::kSlices;
+  n = item / per_request;
+  const int rem = item - n * per_request;
+  h = rem / L::kSlices;
+  slice = rem - h * L::kSlices;
+}
+
 // What a warp loads for one item two items ahead: the read slot, the token's bits for its lane, the
 // value entries of the thread's rows and the head's gate parameters (raw, used an item later).
 template <int D>
@@ -86,11 +98,8 @@ __device__ __forceinline__ void load_stream_item(const DecodeArgs& a, int item, 
                                                  StreamItem<D>& it) {
   using L = LatencyLayout<D, kStreamRows>;
   constexpr int PC = D / 32;
-  const int H = static_cast<int>(a.H), per_request = H * L::kSlices;
-  it.n = item / per_request;
-  const int rem = item - it.n * per_request;
-  it.h = rem / L::kSlices;
-  it.slice = rem - it.h * L::kSlices;
+  const int H = static_cast<int>(a.H);
+  stream_item_coords<D>(a, item, it.n, it.h, it.slice);
   const int tok_head = it.n * H + it.h;  // T = 1: the token of request n
   it.read = static_cast<const int*>(a.idx)[it.n];
   load_fixed_token<D>(a, tok_head, lane, true, it.tok);
@@ -194,15 +203,14 @@ __global__ void __launch_bounds__(kLatencyThreads, kStreamBlocksPerSm)
   if (tid == 0) write_decode_error_words(a, sm.err);
 }
 
-// The stream kernel's grid for this call: checker blocks + state blocks, or 0 when it does not apply
-// (not a plain one-token call in the canonical layout, or too many requests for every checker block
-// to be resident beside at least one state block per SM).
+// A stream kernel's grid for this call (checker blocks + state blocks at `blocks_per_sm` blocks per SM),
+// or 0 when there are too many requests for every checker block to be resident beside at least one
+// state block per SM (the caller has checked that the call is the kernel's kind).
 template <int D>
-int64_t plain_stream_grid(const DecodeArgs& a, int num_sms, int64_t* checkers) {
+int64_t stream_grid(const DecodeArgs& a, int num_sms, int blocks_per_sm, int64_t* checkers) {
   using L = LatencyLayout<D, kStreamRows>;
-  if (a.spec || a.T != 1 || !fixed_layout_call(a, D)) return 0;
   *checkers = (a.N + kLatencyWarps - 1) / kLatencyWarps;
-  int64_t resident = static_cast<int64_t>(num_sms) * kStreamBlocksPerSm;
+  int64_t resident = static_cast<int64_t>(num_sms) * blocks_per_sm;
   if (resident > kDecodeErrorSlots) resident = kDecodeErrorSlots;
   int64_t state_blocks = resident - *checkers;
   if (state_blocks < num_sms) return 0;
@@ -210,6 +218,14 @@ int64_t plain_stream_grid(const DecodeArgs& a, int num_sms, int64_t* checkers) {
   if (items >= (int64_t{1} << 31)) return 0;
   if (state_blocks > items) state_blocks = items;
   return *checkers + state_blocks;
+}
+
+// The plain stream kernel's grid, or 0 when the call is not a plain one-token call in the canonical
+// layout or does not fit (stream_grid).
+template <int D>
+int64_t plain_stream_grid(const DecodeArgs& a, int num_sms, int64_t* checkers) {
+  if (a.spec || a.T != 1 || !fixed_layout_call(a, D)) return 0;
+  return stream_grid<D>(a, num_sms, kStreamBlocksPerSm, checkers);
 }
 
 // Launches the stream kernel on the grid plain_stream_grid chose (grid >= 1).
@@ -266,19 +282,6 @@ struct SpecStreamSmem {
   int err;
   uint32_t param_touch;
 };
-
-template <int kBytes>
-__device__ __forceinline__ void cp_async_lane(void* smem, const void* gmem) {
-  static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async size");
-  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(smem_addr(smem)), "l"(gmem), "n"(kBytes)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_lane_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-__device__ __forceinline__ void cp_async_lane_wait_all() {
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-}
 
 // A request's slots as loaded two items ahead, one value a lane: lane t < 4 holds idx[n, t] (-1 past
 // S; 1-D: lane 0 holds idx[n]), lane 4 num_accepted[n] (spec decode).  Loaded as the same value in every
@@ -349,16 +352,6 @@ struct SpecStreamItem {
   float a_log;             // lane 0 (not a uniform load, see StreamSlots)
 };
 
-template <int D>
-__device__ __forceinline__ void locate_stream_item(const DecodeArgs& a, int item, SpecStreamItem<D>& it) {
-  using L = LatencyLayout<D, kStreamRows>;
-  const int per_request = static_cast<int>(a.H) * L::kSlices;
-  it.n = item / per_request;
-  const int rem = item - it.n * per_request;
-  it.h = rem / L::kSlices;
-  it.slice = rem - it.h * L::kSlices;
-}
-
 // Starts the loads of an item's token inputs: q, k, g of token `warp` (the one this warp preprocesses)
 // for the lane's columns and dt_bias into the warp's stage (cp.async, one commit group); beta and the
 // value entries of every token for the thread's rows, and A_log, into the item's registers.
@@ -375,13 +368,12 @@ __device__ __forceinline__ void load_spec_stream_bits(const DecodeArgs& a, int T
   if (warp < T) {
     const int tok_head = (it.n * T + warp) * H + it.h;  // 32-bit: fixed_layout_call
     const int off = tok_head * D + lane * PC;           // 16-byte rows (fixed_layout_call): 4 P-byte aligned
-    cp_async_lane<4 * P>(&st.q[lane * P], a.q + off);
-    cp_async_lane<4 * P>(&st.k[lane * P], a.k + off);
-    cp_async_lane<4 * P>(&st.g[lane * P], g + off);
+    cp_async<4 * P>(&st.q[lane * P], a.q + off);
+    cp_async<4 * P>(&st.k[lane * P], a.k + off);
+    cp_async<4 * P>(&st.g[lane * P], g + off);
     if (gated) {
 #pragma unroll
-      for (int i = 0; i < PC; ++i)
-        cp_async_lane<4>(&st.dtb[lane * PC + i], a.dt_bias + it.h * D + lane * PC + i);
+      for (int i = 0; i < PC; ++i) cp_async<4>(&st.dtb[lane * PC + i], a.dt_bias + it.h * D + lane * PC + i);
     }
   }
   it.beta = lane == 0 && warp < T ? beta[(it.n * T + warp) * H + it.h] : 0u;
@@ -394,7 +386,7 @@ __device__ __forceinline__ void load_spec_stream_bits(const DecodeArgs& a, int T
     it.v[i] = t < T ? v[((it.n * T + t) * H + it.h) * D + row] : 0u;
   }
   it.a_log = gated && lane == 0 ? a.A_log[it.h] : 0.f;
-  cp_async_lane_commit();
+  cp_async_commit();
 }
 
 template <int D>
@@ -429,7 +421,7 @@ __global__ void __launch_bounds__(kLatencyThreads, kSpecStreamBlocksPerSm)
   // reported, never read past the pool; a padded or failed item loads no state) and token bits.
   auto start_item = [&](int item, const StreamSlots& sl, SpecStreamItem<D>& it,
                         RawStateRow<kF32>(&raw)[kStreamRows]) {
-    locate_stream_item<D>(a, item, it);
+    stream_item_coords<D>(a, item, it.n, it.h, it.slice);
     int e[kFixedMaxTokens];
     it.err = resolve_stream_slots(a, it.n, sl, e, &it.read);
 #pragma unroll
@@ -458,7 +450,7 @@ __global__ void __launch_bounds__(kLatencyThreads, kSpecStreamBlocksPerSm)
     const SpecStreamItem<D> it = nxt;
     const int buf = k & 1;
     // 1. Warp t preprocesses this item's token t (its bits landed in the warp's stage an item ago).
-    cp_async_lane_wait_all();
+    cp_async_wait<0>();
     if (warp < T) {
       const float expA = gated ? expf(__shfl_sync(0xffffffffu, it.a_log, 0)) : 0.f;
       float dtb[PC];
@@ -528,22 +520,12 @@ __global__ void __launch_bounds__(kLatencyThreads, kSpecStreamBlocksPerSm)
   if (tid == 0) write_decode_error_words(a, sm.err);
 }
 
-// The spec stream kernel's grid for this call, or 0 when it does not apply (not a spec or several-token
-// call in the canonical layout, or too many requests for every checker block to be resident beside at
-// least one state block per SM).
+// The spec stream kernel's grid, or 0 when the call is not a spec or several-token call in the canonical
+// layout or does not fit (stream_grid).
 template <int D>
 int64_t spec_stream_grid(const DecodeArgs& a, int num_sms, int64_t* checkers) {
-  using L = LatencyLayout<D, kStreamRows>;
   if (!(a.spec || a.T > 1) || !fixed_layout_call(a, D)) return 0;
-  *checkers = (a.N + kLatencyWarps - 1) / kLatencyWarps;
-  int64_t resident = static_cast<int64_t>(num_sms) * kSpecStreamBlocksPerSm;
-  if (resident > kDecodeErrorSlots) resident = kDecodeErrorSlots;
-  int64_t state_blocks = resident - *checkers;
-  if (state_blocks < num_sms) return 0;
-  const int64_t items = static_cast<int64_t>(a.N) * a.H * L::kSlices;
-  if (items >= (int64_t{1} << 31)) return 0;
-  if (state_blocks > items) state_blocks = items;
-  return *checkers + state_blocks;
+  return stream_grid<D>(a, num_sms, kSpecStreamBlocksPerSm, checkers);
 }
 
 template <int D>
