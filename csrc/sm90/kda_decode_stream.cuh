@@ -238,10 +238,11 @@ Status launch_decode_plain_stream(const DecodeArgs& a, int64_t grid, int64_t che
 
 // ---------------------------------------------------------------------------------------------
 // decode_spec_stream_kernel: the same stream of state slices for every other call in the canonical
-// layout too large for one wave: speculative decode (1-D or 2-D indices, T <= 4 tokens a request) and
-// plain decode of 2..4 tokens.  The state stays in registers across the request's tokens; its only
-// state traffic is one read and, for spec decode, one write per token with a write slot (plain: one
-// write of the final state).  Per warp, a three-stage software pipeline over items i, i + G, i + 2G:
+// layout too large for one wave, on bf16 pools: speculative decode (2-D indices, T <= 4 tokens a
+// request) and plain decode of 2..4 tokens (1-D indices).  The state stays in registers across the request's
+// tokens; its only state traffic is one read and, for spec decode, one write per token with a write slot
+// (plain: one write of the final state).  Per warp, a three-stage software pipeline over items i, i + G, i +
+// 2G:
 //   - item i + 2G: the request's slots (num_accepted and the first 4 index entries) start loading;
 //   - item i + G: its read slot is picked from those registers (the entry acc - 1; a load only when
 //     acc > 4) and checked, and its state rows (raw registers) and its tokens' bits start loading;
@@ -262,10 +263,10 @@ Status launch_decode_plain_stream(const DecodeArgs& a, int64_t grid, int64_t che
 // than the pipelined kernel, which keeps fp32 spec calls (perf-notes d11: spec 1+3 N = 256 bf16 222 us
 // vs 250, fp32 453 vs 389).
 
-// One warp's raw token bits of its next item, copied by cp.async so that they occupy no registers
-// while the current item is computed.  Each lane copies, and later reads, only its own D / 32 columns.
 constexpr int kSpecStreamBlocksPerSm = 4;
 
+// One warp's raw token bits of its next item, copied by cp.async so that they occupy no registers
+// while the current item is computed.  Each lane copies, and later reads, only its own D / 32 columns.
 template <int D>
 struct SpecStreamStage {
   uint32_t q[D / 2], k[D / 2], g[D / 2];  // bf16 pairs of token w (warp w) of the next item
@@ -332,12 +333,11 @@ __device__ __forceinline__ int resolve_stream_slots(const DecodeArgs& a, int n, 
 }
 
 // An item: where it is, what its request's checks said, and the bits of its tokens that stay in
-// registers: beta and the value entries (2-byte elements, below cp.async's 4 bytes).  The warp's
-// values are spread one a lane (lane 0 of warp t holds beta of token t; the value entries of the warp's
-// 2 x kRowsPerWarp rows of token t in lanes 2 kRowsPerWarp t ...) and shuffled to their users at use.  Kept a
-// thread each they cost 12 registers (spills at 128); packed two to a register, the packing waited for each
-// load right after it was issued (ncu: long_sb on the PRMT, 4 round trips an item, the kernel slower than the
-// pipelined one).
+// registers: beta and the value entries (2-byte elements, below cp.async's 4 bytes).  They are spread
+// one a lane (lane 0 of warp t: beta of token t; the value entries of the warp's 2 kRowsPerWarp rows
+// of token t in lanes 2 kRowsPerWarp t, ...) and shuffled to their users at use.  A thread's own 8
+// entries cost 8 registers; packed two to a register, the packing waited for each load right after
+// it was issued (ncu: long_sb on the PRMT, ~4 round trips an item on the warp's path).
 template <int D>
 struct SpecStreamItem {
   using L = LatencyLayout<D, kStreamRows>;

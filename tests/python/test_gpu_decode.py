@@ -44,8 +44,9 @@ CUDA_BACKEND = {"backend": "cuda"} if "backend" in inspect.signature(flashkda.de
 @pytest.fixture(autouse=True, params=["auto", "latency", "pipelined"])
 def decode_kernel(request, monkeypatch):
     """Every test runs three times: with the kernel the call selects (the fixed-layout kernel for
-    small fixed-layout calls, the latency kernel for other small calls, the pipelined one for the
-    large), and with the latency and the pipelined kernel forced (FLASHKDA_DECODE_KERNEL, a dev
+    small fixed-layout calls, the latency kernel for other small calls; for large ones the stream
+    kernels in the fixed layout (plain one-token calls; spec / several-token calls on bf16 pools),
+    else the pipelined one), and with the latency and the pipelined kernel forced (FLASHKDA_DECODE_KERNEL, a dev
     switch read on every call; a forced kernel that cannot run a call falls through to the next)."""
     if request.param == "auto":
         monkeypatch.delenv("FLASHKDA_DECODE_KERNEL", raising=False)
