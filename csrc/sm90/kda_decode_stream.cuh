@@ -319,7 +319,7 @@ __device__ __forceinline__ int resolve_stream_slots(const DecodeArgs& a, int n, 
   const int* idx = static_cast<const int*>(a.idx);
   const int col = acc - 1;  // selects, not a dynamically indexed array (that would live in local memory)
   int r = col == 0 ? e[0] : col == 1 ? e[1] : col == 2 ? e[2] : e[3];
-  if (col >= kFixedMaxTokens) r = idx[n * S + col];
+  if (col >= kFixedMaxTokens) r = idx[n * S + col];  // never: S == T <= 4 here (validate.cpp); kept
   *read = r;
   int err = 0;
   if (r >= 0 && a.T > S) err = static_cast<int>(DeviceError::kBadStateIndex);
@@ -327,7 +327,7 @@ __device__ __forceinline__ int resolve_stream_slots(const DecodeArgs& a, int n, 
 #pragma unroll
   for (int t = 0; t < kFixedMaxTokens; ++t)
     if (e[t] >= a.pool_rows) err = static_cast<int>(DeviceError::kBadStateIndex);
-  for (int c = kFixedMaxTokens; c < S; ++c)  // rows wider than 4 entries (rare)
+  for (int c = kFixedMaxTokens; c < S; ++c)  // likewise never (the checks do not rely on S == T)
     if (idx[n * S + c] >= a.pool_rows) err = static_cast<int>(DeviceError::kBadStateIndex);
   return err;
 }
