@@ -191,7 +191,8 @@ __global__ void __launch_bounds__(kLatencyThreads, kStreamBlocksPerSm)
       }
     }
     __syncwarp();  // the buffer is rewritten by the next item's preprocessing
-                   // 4. Rotate: the next item's state and bits become current.
+
+    // 4. Rotate: the next item's state and bits become current.
 #pragma unroll
     for (int q = 0; q < kStreamRows; ++q) cur_s[q] = nxt_s[q];
     const StreamItem<D> t = cur;
@@ -239,10 +240,10 @@ Status launch_decode_plain_stream(const DecodeArgs& a, int64_t grid, int64_t che
 // ---------------------------------------------------------------------------------------------
 // decode_spec_stream_kernel: the same stream of state slices for every other call in the canonical
 // layout too large for one wave, on bf16 pools: speculative decode (2-D indices, T <= 4 tokens a
-// request) and plain decode of 2..4 tokens (1-D indices).  The state stays in registers across the request's
-// tokens; its only state traffic is one read and, for spec decode, one write per token with a write slot
-// (plain: one write of the final state).  Per warp, a three-stage software pipeline over items i, i + G, i +
-// 2G:
+// request) and plain decode of 2..4 tokens (1-D indices).  The state stays in registers across the
+// request's tokens; its only state traffic is one read and, for spec decode, one write per token with
+// a write slot (plain: one write of the final state).  Per warp, a three-stage software pipeline over
+// items i, i + G, i + 2G:
 //   - item i + 2G: the request's slots (num_accepted and the first 4 index entries) start loading;
 //   - item i + G: its read slot is picked from those registers (the entry acc - 1; a load only when
 //     acc > 4) and checked, and its state rows (raw registers) and its tokens' bits start loading;
