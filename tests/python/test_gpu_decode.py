@@ -46,8 +46,9 @@ def decode_kernel(request, monkeypatch):
     """Every test runs three times: with the kernel the call selects (the fixed-layout kernel for
     small fixed-layout calls, the latency kernel for other small calls; for large ones the stream
     kernels in the fixed layout (plain one-token calls; spec / several-token calls on bf16 pools),
-    else the pipelined one), and with the latency and the pipelined kernel forced (FLASHKDA_DECODE_KERNEL, a dev
-    switch read on every call; a forced kernel that cannot run a call falls through to the next)."""
+    else the pipelined one), and with the latency and the pipelined kernel forced
+    (FLASHKDA_DECODE_KERNEL, a dev switch read on every call; a forced kernel that cannot run a call
+    falls through to the next)."""
     if request.param == "auto":
         monkeypatch.delenv("FLASHKDA_DECODE_KERNEL", raising=False)
     else:
@@ -782,8 +783,8 @@ def test_many_plain_requests_device_error(gen, bad):
 
 # ---------------------------------------------------------------------------------------------
 # Many spec-decode / several-token requests in the fixed layout (bf16 pools: the spec stream kernel
-# under the default choice; fp32: the pipelined kernel): padding, skipped writes, and each device error among more requests than the
-# one-wave kernels take.
+# under the default choice; fp32: the pipelined kernel): padding, skipped writes, and each device
+# error among more requests than the one-wave kernels take.
 
 @pytest.mark.parametrize("state_dtype", [FP32, BF16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("D", [64, 128])
