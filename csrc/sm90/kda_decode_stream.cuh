@@ -112,20 +112,21 @@ __device__ __forceinline__ void load_stream_item(const DecodeArgs& a, int item, 
   for (int i = 0; i < PC; ++i) it.dtb[i] = gated ? a.dt_bias[it.h * D + lane * PC + i] : 0.f;
 }
 
-// Issues the loads of an item's state rows (clamped into the pool: a slot >= P is reported, never
-// read past the pool; a padded item loads nothing).
+// Issues the loads of the state rows of (pool slot `read`, head h, row slice): clamped into the pool (a
+// slot >= P is reported, never read past the pool); a padded item (read < 0) loads nothing.  Shared by
+// the plain and the spec stream kernels.
 template <int D, bool kF32>
-__device__ __forceinline__ void issue_stream_state(const DecodeArgs& a, const StreamItem<D>& it, int warp,
+__device__ __forceinline__ void issue_stream_state(const DecodeArgs& a, int read, int h, int slice, int warp,
                                                    int lane, RawStateRow<kF32> (&raw)[kStreamRows]) {
   using L = LatencyLayout<D, kStreamRows>;
   using StateT = typename std::conditional<kF32, float, bf16>::type;
-  if (it.read < 0) return;
-  const int64_t r = it.read < a.pool_rows ? it.read : a.pool_rows - 1;
+  if (read < 0) return;
+  const int64_t r = read < a.pool_rows ? read : a.pool_rows - 1;
   const StateT* pool = static_cast<const StateT*>(a.pool);
-  const int64_t head = (r * a.H + it.h) * D;
+  const int64_t head = (r * a.H + h) * D;
 #pragma unroll
   for (int q = 0; q < kStreamRows; ++q)
-    issue_state_row<D, kF32>(pool + (head + L::row(it.slice, q, warp, lane)) * D, lane % L::kLanesPerRow,
+    issue_state_row<D, kF32>(pool + (head + L::row(slice, q, warp, lane)) * D, lane % L::kLanesPerRow,
                              raw[q]);
 }
 
@@ -156,7 +157,7 @@ __global__ void __launch_bounds__(kLatencyThreads, kStreamBlocksPerSm)
   RawStateRow<kF32> cur_s[kStreamRows], nxt_s[kStreamRows];
   load_stream_item<D>(a, item, warp, lane, cur);
   if (item + G < items) load_stream_item<D>(a, item + G, warp, lane, nxt);
-  issue_stream_state<D, kF32>(a, cur, warp, lane, cur_s);
+  issue_stream_state<D, kF32>(a, cur.read, cur.h, cur.slice, warp, lane, cur_s);
   for (; item < items; item += G) {
     // 1. This item's token into the warp's buffer (its bits were loaded two items ago).
     const float expA = gated ? expf(cur.a_log) : 0.f;
@@ -167,7 +168,7 @@ __global__ void __launch_bounds__(kLatencyThreads, kStreamBlocksPerSm)
     const int read = cur.read, n = cur.n, h = cur.h, slice = cur.slice;
     __syncwarp();
     // 2. The next item's state (its slot was loaded an item ago), then the bits of the one after.
-    if (item + G < items) issue_stream_state<D, kF32>(a, nxt, warp, lane, nxt_s);
+    if (item + G < items) issue_stream_state<D, kF32>(a, nxt.read, nxt.h, nxt.slice, warp, lane, nxt_s);
     if (item + 2 * G < items) load_stream_item<D>(a, item + 2 * G, warp, lane, cur);
     // 3. This item: the token on the thread's rows, out and the state stored back in place.
     bf16* out = a.out + static_cast<int64_t>(n) * head_rows + h * D;
@@ -418,8 +419,8 @@ __global__ void __launch_bounds__(kLatencyThreads, kSpecStreamBlocksPerSm)
   SpecStreamStage<D>& stage = sm.stage[warp];
   int err = 0;
 
-  // Resolves an item's slots and starts its loads: state rows (clamped into the pool: a bad slot is
-  // reported, never read past the pool; a padded or failed item loads no state) and token bits.
+  // Resolves an item's slots and starts its loads: state rows (a padded or failed item loads no state)
+  // and token bits.
   auto start_item = [&](int item, const StreamSlots& sl, SpecStreamItem<D>& it,
                         RawStateRow<kF32>(&raw)[kStreamRows]) {
     stream_item_coords<D>(a, item, it.n, it.h, it.slice);
@@ -427,13 +428,7 @@ __global__ void __launch_bounds__(kLatencyThreads, kSpecStreamBlocksPerSm)
     it.err = resolve_stream_slots(a, it.n, sl, e, &it.read);
 #pragma unroll
     for (int t = 0; t < kFixedMaxTokens; ++t) it.w[t] = t < T ? e[t] : -1;
-    if (it.err == 0 && it.read >= 0) {
-      const int64_t r = it.read < a.pool_rows ? it.read : a.pool_rows - 1;
-      const int64_t head = (r * a.H + it.h) * D;
-#pragma unroll
-      for (int q = 0; q < kStreamRows; ++q)
-        issue_state_row<D, kF32>(pool + (head + L::row(it.slice, q, warp, lane)) * D, j, raw[q]);
-    }
+    if (it.err == 0) issue_stream_state<D, kF32>(a, it.read, it.h, it.slice, warp, lane, raw);
     load_spec_stream_bits<D>(a, T, warp, lane, stage, it);
   };
 
