@@ -26,7 +26,9 @@ for k in ${KERNELS:-chunk_prepare state_recurrence}; do
   ncu -i "$P/$tag.ncu-rep" --page source --csv --print-source sass > "$P/${tag}_sass.csv" 2>&1
   grep -E "Duration|Elapsed Cycles|Issued Warp|No Eligible|Warp Cycles Per Issued|Registers|Achieved Occ" \
     "$P/${tag}_details.txt" | sed "s/^/$tag: /"
-  python3 scripts/ncu_source_summary.py "$P/${tag}_sass.csv" --top 15 --phases | sed "s/^/$tag: /"
+  cycles=$(grep -m1 "Elapsed Cycles" "$P/${tag}_details.txt" | awk '{print $NF}' | tr -d ,)
+  python3 scripts/ncu_source_summary.py "$P/${tag}_sass.csv" --top 15 --phases ${cycles:+--pipes "$cycles"} \
+    | sed "s/^/$tag: /"
 done
 tar czf "$OUT/prof_prefill.tgz" -C /tmp prof_prefill
 echo "total: $(( $(date +%s) - t0 )) s"
