@@ -18,6 +18,9 @@
 //               then a bulk store of the stage back in place (the SM never touches the data)
 //   tma-rmw     the same with 4 warps scaling each stage in shared memory between the load and the
 //               store (a decode kernel that stores its state through shared memory by TMA)
+//   spec-tma    spec-rand's pattern by TMA: each slice bulk-loaded once and bulk-stored to its 4 write
+//               rows from the same stage (the SM never touches the data)
+//   memset      cudaMemsetAsync of the copy's bytes: the write-only rate, for spec's 1 : 4 mix
 // Usage (sm_90 machine): nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a bench/bw_ceiling.cu
 //   -o /tmp/bw_ceiling && /tmp/bw_ceiling [N=256]
 #include <cuda_runtime.h>
@@ -143,18 +146,22 @@ __device__ inline void mbar_wait(unsigned long long* bar, unsigned parity) {
       : "memory");
 }
 
-__global__ void __launch_bounds__(160) rmw_tma_kernel(float* pool, const int* rows, int items, int touch) {
+// wrows == nullptr: each slice is stored back in place; else to its request's 4 rows wrows[4 n + t].
+__global__ void __launch_bounds__(160)
+    rmw_tma_kernel(float* pool, const int* rows, const int* wrows, int items, int touch) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   TmaSmem& sm = *reinterpret_cast<TmaSmem*>(smem_raw);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int G = gridDim.x;
   const int mine = items > static_cast<int>(blockIdx.x) ? (items - blockIdx.x + G - 1) / G : 0;
-  auto src = [&](int k) {
+  auto at = [&](const int* r, int k, int t) {
     const int item = blockIdx.x + k * G;
     const int n = item / (kH * (kD / kSliceRows));
     const int rem = item % (kH * (kD / kSliceRows));
-    return pool + (static_cast<size_t>(rows[n]) * kH * kD * kD + static_cast<size_t>(rem) * kSliceFloats);
+    const int row = r == rows ? r[n] : r[4 * n + t];
+    return pool + (static_cast<size_t>(row) * kH * kD * kD + static_cast<size_t>(rem) * kSliceFloats);
   };
+  auto src = [&](int k) { return at(rows, k, 0); };
   if (tid == 0) {
     for (int s = 0; s < kTmaStages; ++s) {
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_u32(&sm.full[s])) : "memory");
@@ -180,9 +187,12 @@ __global__ void __launch_bounds__(160) rmw_tma_kernel(float* pool, const int* ro
       for (int k = 0; k < mine; ++k) {
         const int s = k % kTmaStages;
         mbar_wait(touch ? &sm.done[s] : &sm.full[s], (k / kTmaStages) & 1);
-        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(src(k)),
-                     "r"(smem_u32(sm.buf[s])), "r"(kSliceBytes)
-                     : "memory");
+        for (int t = 0; t < (wrows ? 4 : 1); ++t) {
+          asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(
+                           wrows ? at(wrows, k, t) : src(k)),
+                       "r"(smem_u32(sm.buf[s])), "r"(kSliceBytes)
+                       : "memory");
+        }
         asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
         // Refill the stage of item k - 1 once its store has read it (one store left in flight).
         if (k >= 1 && k - 1 + kTmaStages < mine) {
@@ -281,7 +291,21 @@ int main(int argc, char** argv) {
       std::printf("spec-rand %2d/SM %8.1f us  %5.2f TB/s  %5.1f%% of memcpy\n", per_sm, t,
                   bytes_spec / t * 1e-6, 100.f * (bytes_spec / t) / (bytes_rw / t_memcpy));
     }
+    CHECK(cudaFuncSetAttribute(rmw_tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(sizeof(TmaSmem))));
+    for (int per_sm : {1, 2, 3}) {
+      const int grid = std::min(items, sms * per_sm);
+      const float t =
+          time_us([&] { rmw_tma_kernel<<<grid, 160, sizeof(TmaSmem)>>>(pool, rows_rand, wrows, items, 0); }, 20);
+      std::printf("spec-tma  %d/SM  %8.1f us  %5.2f TB/s  %5.1f%% of memcpy\n", per_sm, t, bytes_spec / t * 1e-6,
+                  100.f * (bytes_spec / t) / (bytes_rw / t_memcpy));
+    }
     CHECK(cudaFree(wrows));
+  }
+  {  // write-only: the same bytes as the copy, written by a memset
+    const float t = time_us([&] { CHECK(cudaMemsetAsync(dst, 0x3c, 2 * half)); }, 20);
+    std::printf("memset          %8.1f us  %5.2f TB/s  %5.1f%% of memcpy\n", t, 2 * half / t * 1e-6,
+                100.f * (2 * half / t) / (bytes_rw / t_memcpy));
   }
   CHECK(cudaFuncSetAttribute(rmw_tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              static_cast<int>(sizeof(TmaSmem))));
@@ -289,7 +313,8 @@ int main(int argc, char** argv) {
     const int grid = std::min(items, sms * per_sm);
     for (int touch = 0; touch < 2; ++touch) {
       const float t =
-          time_us([&] { rmw_tma_kernel<<<grid, 160, sizeof(TmaSmem)>>>(pool, rows_rand, items, touch); }, 20);
+          time_us([&] { rmw_tma_kernel<<<grid, 160, sizeof(TmaSmem)>>>(pool, rows_rand, nullptr, items, touch); },
+                  20);
       std::printf("tma-%s %d/SM  %8.1f us  %5.2f TB/s  %5.1f%% of memcpy\n", touch ? "rmw " : "copy", per_sm,
                   t, bytes_rw / t * 1e-6, 100.f * t_memcpy / t);
     }
