@@ -295,10 +295,10 @@ int main(int argc, char** argv) {
                                static_cast<int>(sizeof(TmaSmem))));
     for (int per_sm : {1, 2, 3}) {
       const int grid = std::min(items, sms * per_sm);
-      const float t =
-          time_us([&] { rmw_tma_kernel<<<grid, 160, sizeof(TmaSmem)>>>(pool, rows_rand, wrows, items, 0); }, 20);
-      std::printf("spec-tma  %d/SM  %8.1f us  %5.2f TB/s  %5.1f%% of memcpy\n", per_sm, t, bytes_spec / t * 1e-6,
-                  100.f * (bytes_spec / t) / (bytes_rw / t_memcpy));
+      const float t = time_us(
+          [&] { rmw_tma_kernel<<<grid, 160, sizeof(TmaSmem)>>>(pool, rows_rand, wrows, items, 0); }, 20);
+      std::printf("spec-tma  %d/SM  %8.1f us  %5.2f TB/s  %5.1f%% of memcpy\n", per_sm, t,
+                  bytes_spec / t * 1e-6, 100.f * (bytes_spec / t) / (bytes_rw / t_memcpy));
     }
     CHECK(cudaFree(wrows));
   }
@@ -312,9 +312,9 @@ int main(int argc, char** argv) {
   for (int per_sm : {1, 2, 3}) {
     const int grid = std::min(items, sms * per_sm);
     for (int touch = 0; touch < 2; ++touch) {
-      const float t =
-          time_us([&] { rmw_tma_kernel<<<grid, 160, sizeof(TmaSmem)>>>(pool, rows_rand, nullptr, items, touch); },
-                  20);
+      const float t = time_us(
+          [&] { rmw_tma_kernel<<<grid, 160, sizeof(TmaSmem)>>>(pool, rows_rand, nullptr, items, touch); },
+          20);
       std::printf("tma-%s %d/SM  %8.1f us  %5.2f TB/s  %5.1f%% of memcpy\n", touch ? "rmw " : "copy", per_sm,
                   t, bytes_rw / t * 1e-6, 100.f * t_memcpy / t);
     }
