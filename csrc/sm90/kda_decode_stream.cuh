@@ -81,6 +81,17 @@ __device__ __forceinline__ void stream_item_coords(const DecodeArgs& a, int item
   slice = rem - h * L::kSlices;
 }
 
+// The start of a stream kernel's block: the block set-up, then, in the first `checkers` blocks, the
+// pool-row conflict check in place of any state work.  Returns true for a checker block (done).
+__device__ __forceinline__ bool stream_block_start(const DecodeArgs& a, int checkers, int* err,
+                                                   uint32_t* param_touch) {
+  decode_block_setup(a, err, param_touch);
+  const int b = static_cast<int>(blockIdx.x);
+  if (b >= checkers) return false;
+  fixed_checker_block(a, b, checkers, err);
+  return true;
+}
+
 // What a warp loads for one item two items ahead: the read slot, the token's bits for its lane, the
 // value entries of the thread's rows and the head's gate parameters (raw, used an item later).
 template <int D>
@@ -137,13 +148,8 @@ __global__ void __launch_bounds__(kLatencyThreads, kStreamBlocksPerSm)
   using StateT = typename std::conditional<kF32, float, bf16>::type;
   __shared__ __align__(16) FixedSmem<D> sm;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  decode_block_setup(a, &sm.err, &sm.param_touch);
-
+  if (stream_block_start(a, checkers, &sm.err, &sm.param_touch)) return;
   const int b = static_cast<int>(blockIdx.x);
-  if (b < checkers) {
-    fixed_checker_block(a, b, checkers, &sm.err);
-    return;
-  }
   const int G = static_cast<int>(gridDim.x) - checkers;
   const int items = static_cast<int>(a.N) * static_cast<int>(a.H) * L::kSlices;  // < 2^31: fixed_layout_call
   const int j = lane % L::kLanesPerRow;
@@ -400,13 +406,8 @@ __global__ void __launch_bounds__(kLatencyThreads, kSpecStreamBlocksPerSm)
   constexpr int P = D / 64, PC = D / 32;
   __shared__ __align__(16) SpecStreamSmem<D> sm;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  decode_block_setup(a, &sm.err, &sm.param_touch);
-
+  if (stream_block_start(a, checkers, &sm.err, &sm.param_touch)) return;
   const int b = static_cast<int>(blockIdx.x);
-  if (b < checkers) {
-    fixed_checker_block(a, b, checkers, &sm.err);
-    return;
-  }
   const int G = static_cast<int>(gridDim.x) - checkers;
   const int per_request = static_cast<int>(a.H) * L::kSlices;
   const int items = static_cast<int>(a.N) * per_request;  // < 2^31: spec_stream_grid
