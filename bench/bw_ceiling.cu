@@ -44,9 +44,25 @@ __global__ void copy_kernel(const float4* __restrict__ src, float4* __restrict__
     dst[i] = src[i];
 }
 
+constexpr int kPer = kSliceFloats / 4 / kThreads;  // 8 float4 per thread and slice
+
+// The thread's part of a slice into registers, and back scaled by 0.999 (in place in `x`: a stand-in
+// for the state update, so that stored values change between writes).
+__device__ __forceinline__ void load_slice(const float4* p, float4 (&x)[kPer]) {
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) x[j] = p[threadIdx.x + j * kThreads];
+}
+__device__ __forceinline__ void store_scaled(float4* p, float4 (&x)[kPer]) {
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    float4& v = x[j];
+    v.x *= 0.999f, v.y *= 0.999f, v.z *= 0.999f, v.w *= 0.999f;
+    p[threadIdx.x + j * kThreads] = v;
+  }
+}
+
 // Item i = (request n, head h, slice s); its slice starts at pool row rows[n], head h, slice s.
 __global__ void __launch_bounds__(kThreads) rmw_kernel(float* pool, const int* rows, int items) {
-  constexpr int kPer = kSliceFloats / 4 / kThreads;  // 8 float4 per thread
   auto base = [&](int item) {
     const int n = item / (kH * (kD / kSliceRows));
     const int rem = item % (kH * (kD / kSliceRows));
@@ -57,23 +73,16 @@ __global__ void __launch_bounds__(kThreads) rmw_kernel(float* pool, const int* r
   if (item >= items) return;
   float4 cur[kPer];
   float4* p = base(item);
-#pragma unroll
-  for (int j = 0; j < kPer; ++j) cur[j] = p[threadIdx.x + j * kThreads];
+  load_slice(p, cur);
   while (true) {
     const int next = item + gridDim.x;
     float4 nxt[kPer];
     float4* q = nullptr;
     if (next < items) {
       q = base(next);
-#pragma unroll
-      for (int j = 0; j < kPer; ++j) nxt[j] = q[threadIdx.x + j * kThreads];
+      load_slice(q, nxt);
     }
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      float4 v = cur[j];
-      v.x *= 0.999f, v.y *= 0.999f, v.z *= 0.999f, v.w *= 0.999f;
-      p[threadIdx.x + j * kThreads] = v;
-    }
+    store_scaled(p, cur);
     if (next >= items) break;
 #pragma unroll
     for (int j = 0; j < kPer; ++j) cur[j] = nxt[j];
@@ -85,7 +94,6 @@ __global__ void __launch_bounds__(kThreads) rmw_kernel(float* pool, const int* r
 // Speculative decode 1 + 3: item i's slice read at rows[n], written to wrows[4 n + t], t = 0..3.
 __global__ void __launch_bounds__(kThreads)
     spec_kernel(float* pool, const int* rows, const int* wrows, int items) {
-  constexpr int kPer = kSliceFloats / 4 / kThreads;
   constexpr int kPerRequest = kH * (kD / kSliceRows);
   const size_t row_floats = static_cast<size_t>(kH) * kD * kD;
   int item = blockIdx.x;
@@ -95,30 +103,14 @@ __global__ void __launch_bounds__(kThreads)
                                      static_cast<size_t>(it % kPerRequest) * kSliceFloats);
   };
   float4 cur[kPer];
-  {
-    const float4* p = at(rows[item / kPerRequest], item);
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) cur[j] = p[threadIdx.x + j * kThreads];
-  }
+  load_slice(at(rows[item / kPerRequest], item), cur);
   while (true) {
     const int next = item + gridDim.x;
     float4 nxt[kPer];
-    if (next < items) {
-      const float4* q = at(rows[next / kPerRequest], next);
-#pragma unroll
-      for (int j = 0; j < kPer; ++j) nxt[j] = q[threadIdx.x + j * kThreads];
-    }
+    if (next < items) load_slice(at(rows[next / kPerRequest], next), nxt);
     const int n = item / kPerRequest;
 #pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      float4* w = at(wrows[4 * n + t], item);
-#pragma unroll
-      for (int j = 0; j < kPer; ++j) {
-        float4& v = cur[j];
-        v.x *= 0.999f, v.y *= 0.999f, v.z *= 0.999f, v.w *= 0.999f;
-        w[threadIdx.x + j * kThreads] = v;
-      }
-    }
+    for (int t = 0; t < 4; ++t) store_scaled(at(wrows[4 * n + t], item), cur);
     if (next >= items) break;
 #pragma unroll
     for (int j = 0; j < kPer; ++j) cur[j] = nxt[j];
