@@ -29,7 +29,8 @@
 //      U result fit fp16 for any finite input (|v'| < 2^8, |kt'| < 1, |Tb'| < 2, |U'| < 2^15); the
 //      scales are exact and undone on W (fp32 accumulator) and recorded for UT (stored fp16).  fp16's
 //      11-bit mantissa on v and T_inv is what keeps the state error well under bf16's.  The work is
-//      dealt so that every warp issues the same number of mma.
+//      dealt so that every warp issues the same number of mma.  Both tiles are staged in shared memory
+//      (over L and G's second half) and written to the record as 16-byte rows.
 // Shared memory (D = 128): q, k 16-bit 2 x 17.4 KB (later T_inv fp32 + fp16), G fp32 34.8 KB (later
 // kt), v 17.4 KB, L fp32 16.6 KB: about 104 KB, two blocks per SM.
 #pragma once
@@ -74,6 +75,15 @@ struct PrepareSmem {
   static constexpr int kX = kTib + kChunk * kLdTb * 2;  // column-walk scratch 3 x 16 x 17 fp32
   static constexpr int kBytes = kTinvOverQK ? kEnd : kEnd + kTinvBytes;
   static_assert(kChunk * kLdH * 2 <= kV - kG, "kt must fit over G");
+  // Phase 5 stages the W [C][D] and UT [D][C] record tiles (16-bit, 16-byte chunks XOR-swizzled by row)
+  // for coalesced 16-byte stores: W over L (dead after the T_inv walks), UT over G's second half (kt
+  // holds the first).
+  static constexpr int kWst = kL;
+  static constexpr int kUTst = kKtb + kChunk * kLdH * 2;
+  static_assert(kChunk * D * 2 <= kChunk * kLdT * 4, "staged W must fit over L");
+  static_assert(kUTst + D * kChunk * 2 <= kV, "staged UT must fit over G after kt");
+  // Two blocks per SM: 228 KB of shared memory an SM, 1 KB of it reserved per block.
+  static_assert(D != 128 || 2 * (kBytes + 1024) <= 228 * 1024, "chunk_prepare must fit two blocks per SM");
 };
 
 constexpr int kPrepareThreads = 256;
@@ -170,6 +180,27 @@ __device__ inline void load8_qk(const uint16_t* p, bool fp16, float (&x)[8]) {
     }
     x[2 * i] = f.x;
     x[2 * i + 1] = f.y;
+  }
+}
+
+// A staged 16-bit record tile, row-major with `kPitch` elements a row (the record's own layout), its
+// 16-byte chunks XOR-swizzled by the row's low 3 bits: the fragment stores (8 rows, 4 lanes of 4
+// bytes each) hit 8 different chunk columns, i.e. 32 different banks; the copy-out reads whole chunks.
+template <int kPitch>
+__device__ inline int swizzled_offset(int row, int col) {
+  static_assert(kPitch % 64 == 0, "at least 8 chunks a row");
+  return row * kPitch + ((((col >> 3) ^ row) & 7) | ((col >> 3) & ~7)) * 8 + (col & 7);
+}
+
+// Copies a staged tile of `rows` x kPitch 16-bit elements to its contiguous place in the record: one
+// 16-byte load and one 16-byte store per chunk, consecutive threads on consecutive chunks.
+template <int kPitch>
+__device__ inline void store_staged_tile(const uint16_t* tile, bf16* dst, int rows, int tid) {
+  constexpr int kChunks = kPitch / 8;
+  for (int e = tid; e < rows * kChunks; e += kPrepareThreads) {
+    const int row = e / kChunks, col = (e % kChunks) * 8;
+    *reinterpret_cast<uint4*>(dst + row * kPitch + col) =
+        *reinterpret_cast<const uint4*>(tile + swizzled_offset<kPitch>(row, col));
   }
 }
 
@@ -901,7 +932,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   const int g = lane >> 2, t = lane & 3;
   const float w_unscale = pow2i(shift_t + shift_k);
   if (tid == 0) *reinterpret_cast<int*>(rec + ChunkRecord<D>::kUtShift) = shift_t + shift_v;
-  __half* rUTh = reinterpret_cast<__half*>(rUT);
+  uint16_t* sWst = reinterpret_cast<uint16_t*>(smem + SM::kWst);
+  uint16_t* sUTst = reinterpret_cast<uint16_t*>(smem + SM::kUTst);
   // Work items: W row block I x 32 columns costs 4 (I + 1) mma, UT row tile x token half 8 or 16.
   // They are dealt so that every warp gets the same count (D = 128: 44 mma, D = 64: 20 or 24); the
   // plain round robin gave one warp 64 and another 24, and the block waited for the slowest.
@@ -918,13 +950,12 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
         mma_f16(acc[2 * p + 1], af, bf[2], bf[3]);
       }
     }
-    // One row pointer, constant offsets from it: per-store int index math became a 64-bit
-    // IADD3 / LEA / LEA.HI.X triple for each of the 8 stores.
-    bf16* wrow = rW + (16 * I + g) * D + 32 * ng + 2 * t;
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
-      *reinterpret_cast<uint32_t*>(wrow + 8 * nt) = pack_bf16(acc[nt][0] * w_unscale, acc[nt][1] * w_unscale);
-      *reinterpret_cast<uint32_t*>(wrow + 8 * D + 8 * nt) =
+      const int col = 32 * ng + 8 * nt + 2 * t;
+      *reinterpret_cast<uint32_t*>(sWst + swizzled_offset<D>(16 * I + g, col)) =
+          pack_bf16(acc[nt][0] * w_unscale, acc[nt][1] * w_unscale);
+      *reinterpret_cast<uint32_t*>(sWst + swizzled_offset<D>(16 * I + g + 8, col)) =
           pack_bf16(acc[nt][2] * w_unscale, acc[nt][3] * w_unscale);
     }
   };
@@ -945,8 +976,9 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
       const int col = 32 * nh + 8 * nt + 2 * t;
-      *reinterpret_cast<uint32_t*>(rUTh + (16 * mt + g) * kChunk + col) = pack_f16(acc[nt][0], acc[nt][1]);
-      *reinterpret_cast<uint32_t*>(rUTh + (16 * mt + g + 8) * kChunk + col) =
+      *reinterpret_cast<uint32_t*>(sUTst + swizzled_offset<kChunk>(16 * mt + g, col)) =
+          pack_f16(acc[nt][0], acc[nt][1]);
+      *reinterpret_cast<uint32_t*>(sUTst + swizzled_offset<kChunk>(16 * mt + g + 8, col)) =
           pack_f16(acc[nt][2], acc[nt][3]);
     }
   };
@@ -961,6 +993,11 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     ut_item(warp >> 1, warp & 1);
     w_item(((warp & 1) ? 0 : 2) + (warp >> 2), (warp >> 1) & 1);
   }
+  // The staged tiles to the record as 16-byte stores: the fragment layout's 4-byte stores touched 8
+  // rows (8 partial sectors) per instruction and cost more than the tiles' math (perf-notes v11).
+  __syncthreads();
+  store_staged_tile<D>(sWst, rW, kChunk, tid);
+  store_staged_tile<kChunk>(sUTst, rUT, D, tid);
 }
 
 }  // namespace sm90

@@ -109,6 +109,24 @@ def test_modes(gen, gate_mode, use_qk_l2norm, use_beta_sigmoid, state_dtype, D):
     judge(gen, inp, out, fs, SPEC_OUT if spec else LOOSE_OUT, SPEC_STATE if spec else LOOSE_STATE)
 
 
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("use_qk_l2norm", [True, False], ids=["l2", "nol2"])
+def test_steep_decay_chunks(gen, use_qk_l2norm, D):
+    """Chunks whose diagonal blocks exceed the factorised form's half-span (precomputed log decay of
+    ~-30 nat a token in some heads and tokens) take the pairwise path, and the off-diagonal blocks
+    their directly computed factors; other heads and chunks of the same call keep the fast path."""
+    inp = make_inputs([0, 40, 64, 130, 300], H=4, D=D, device=DEV, gate_mode="precomputed",
+                      use_qk_l2norm=use_qk_l2norm, g_dtype=torch.float32, generator=gen)
+    g = inp["g"].clone()
+    steep = torch.rand(g.shape[:3], generator=gen).to(DEV) < 0.5  # (B, T, H): tokens with a steep decay
+    steep[:, :, 0] = False  # head 0 keeps only ordinary chunks
+    g[steep] = g[steep] - 30.0
+    inp["g"] = g
+    out, fs = poisoned_outputs(inp)
+    run(inp, out, fs)
+    judge(gen, inp, out, fs, LOOSE_OUT, LOOSE_STATE)
+
+
 @pytest.mark.parametrize("with_state", [True, False])
 def test_fixed_length_batch(gen, with_state):
     inp = make_inputs(None, B=3, T=200, H=4, D=128, device=DEV, with_initial_state=with_state, generator=gen)
