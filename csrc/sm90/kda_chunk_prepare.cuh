@@ -40,6 +40,7 @@
 #include <type_traits>
 
 #include "sm90/kda_common.cuh"
+#include "sm90/kda_sw128.h"
 
 namespace flashkda {
 namespace sm90 {
@@ -75,8 +76,8 @@ struct PrepareSmem {
   static constexpr int kX = kTib + kChunk * kLdTb * 2;  // column-walk scratch 3 x 16 x 17 fp32
   static constexpr int kBytes = kTinvOverQK ? kEnd : kEnd + kTinvBytes;
   static_assert(kChunk * kLdH * 2 <= kV - kG, "kt must fit over G");
-  // Phase 5 stages the W [C][D] and UT [D][C] record tiles (16-bit, 16-byte chunks XOR-swizzled by row)
-  // for coalesced 16-byte stores: W over L (dead after the T_inv walks), UT over G's second half (kt
+  // Phase 5 stages the W [C][D] and UT [D][C] record tiles (staged_tile_offset, kda_sw128.h) for
+  // coalesced 16-byte stores: W over L (dead after the T_inv walks), UT over G's second half (kt
   // holds the first).
   static constexpr int kWst = kL;
   static constexpr int kUTst = kKtb + kChunk * kLdH * 2;
@@ -183,15 +184,6 @@ __device__ inline void load8_qk(const uint16_t* p, bool fp16, float (&x)[8]) {
   }
 }
 
-// A staged 16-bit record tile, row-major with `kPitch` elements a row (the record's own layout), its
-// 16-byte chunks XOR-swizzled by the row's low 3 bits: the fragment stores (8 rows, 4 lanes of 4
-// bytes each) hit 8 different chunk columns, i.e. 32 different banks; the copy-out reads whole chunks.
-template <int kPitch>
-__device__ inline int swizzled_offset(int row, int col) {
-  static_assert(kPitch % 64 == 0, "at least 8 chunks a row");
-  return row * kPitch + ((((col >> 3) ^ row) & 7) | ((col >> 3) & ~7)) * 8 + (col & 7);
-}
-
 // Copies a staged tile of `rows` x kPitch 16-bit elements to its contiguous place in the record: one
 // 16-byte load and one 16-byte store per chunk, consecutive threads on consecutive chunks.
 template <int kPitch>
@@ -200,7 +192,7 @@ __device__ inline void store_staged_tile(const uint16_t* tile, bf16* dst, int ro
   for (int e = tid; e < rows * kChunks; e += kPrepareThreads) {
     const int row = e / kChunks, col = (e % kChunks) * 8;
     *reinterpret_cast<uint4*>(dst + row * kPitch + col) =
-        *reinterpret_cast<const uint4*>(tile + swizzled_offset<kPitch>(row, col));
+        *reinterpret_cast<const uint4*>(tile + staged_tile_offset<kPitch>(row, col));
   }
 }
 
@@ -953,9 +945,9 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
       const int col = 32 * ng + 8 * nt + 2 * t;
-      *reinterpret_cast<uint32_t*>(sWst + swizzled_offset<D>(16 * I + g, col)) =
+      *reinterpret_cast<uint32_t*>(sWst + staged_tile_offset<D>(16 * I + g, col)) =
           pack_bf16(acc[nt][0] * w_unscale, acc[nt][1] * w_unscale);
-      *reinterpret_cast<uint32_t*>(sWst + swizzled_offset<D>(16 * I + g + 8, col)) =
+      *reinterpret_cast<uint32_t*>(sWst + staged_tile_offset<D>(16 * I + g + 8, col)) =
           pack_bf16(acc[nt][2] * w_unscale, acc[nt][3] * w_unscale);
     }
   };
@@ -976,9 +968,9 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
       const int col = 32 * nh + 8 * nt + 2 * t;
-      *reinterpret_cast<uint32_t*>(sUTst + swizzled_offset<kChunk>(16 * mt + g, col)) =
+      *reinterpret_cast<uint32_t*>(sUTst + staged_tile_offset<kChunk>(16 * mt + g, col)) =
           pack_f16(acc[nt][0], acc[nt][1]);
-      *reinterpret_cast<uint32_t*>(sUTst + swizzled_offset<kChunk>(16 * mt + g + 8, col)) =
+      *reinterpret_cast<uint32_t*>(sUTst + staged_tile_offset<kChunk>(16 * mt + g + 8, col)) =
           pack_f16(acc[nt][2], acc[nt][3]);
     }
   };
