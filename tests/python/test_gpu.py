@@ -113,8 +113,8 @@ def test_modes(gen, gate_mode, use_qk_l2norm, use_beta_sigmoid, state_dtype, D):
 @pytest.mark.parametrize("use_qk_l2norm", [True, False], ids=["l2", "nol2"])
 def test_steep_decay_chunks(gen, use_qk_l2norm, D):
     """Chunks whose diagonal blocks exceed the factorised form's half-span (precomputed log decay of
-    ~-30 nat a token in some heads and tokens) take the pairwise path, and the off-diagonal blocks
-    their directly computed factors; other heads and chunks of the same call keep the fast path."""
+    ~-30 nat a token in some heads and tokens) take the pairwise path for their diagonal blocks;
+    other heads and chunks of the same call keep the factorised one."""
     inp = make_inputs([0, 40, 64, 130, 300], H=4, D=D, device=DEV, gate_mode="precomputed",
                       use_qk_l2norm=use_qk_l2norm, g_dtype=torch.float32, generator=gen)
     g = inp["g"].clone()
