@@ -18,6 +18,21 @@ from flashkda import reference as ref
 C = 64
 
 
+def sw128_index(rows: int, cols: int) -> torch.Tensor:
+    """Flat element index of (r, col) in the SW128 image of a 16-bit [rows][cols] tile (kda_sw128.h's
+    sw128_element): 64-column halves of rows x 128 bytes, the 16-byte pieces of a row XOR-ed by r & 7."""
+    r = torch.arange(rows)[:, None]
+    col = torch.arange(cols)[None, :]
+    byte = (col >> 6) * (rows * 128) + r * 128 + ((((col & 63) >> 3) ^ (r & 7)) << 4)
+    return byte // 2 + (col & 7)
+
+
+def unswizzle(t: torch.Tensor) -> torch.Tensor:
+    """The row-major [rows][cols] matrix of a record tile stored as its SW128 image."""
+    rows, cols = t.shape
+    return t.reshape(-1)[sw128_index(rows, cols).to(t.device)]
+
+
 def record_views(ws: torch.Tensor, slot: int, h: int, H: int, D: int):
     rec_bytes = 4 * C * D * 2 + C * C * 2 + D * 4 + 128
     base = 4096 + (slot * H + h) * rec_bytes  # after the error header (kWorkspaceHeaderBytes)
@@ -30,11 +45,11 @@ def record_views(ws: torch.Tensor, slot: int, h: int, H: int, D: int):
         off += nbytes
         return t
 
-    W = take(C * D * 2, torch.bfloat16, (C, D))
-    QT = take(C * D * 2, torch.bfloat16, (C, D))
-    KD = take(C * D * 2, torch.float16, (C, D))
-    UT = take(D * C * 2, torch.float16, (D, C))
-    MQK = take(C * C * 2, torch.float16, (C, C))
+    W = unswizzle(take(C * D * 2, torch.bfloat16, (C, D)))
+    QT = unswizzle(take(C * D * 2, torch.bfloat16, (C, D)))
+    KD = unswizzle(take(C * D * 2, torch.float16, (C, D)))
+    UT = unswizzle(take(D * C * 2, torch.float16, (D, C)))
+    MQK = unswizzle(take(C * C * 2, torch.float16, (C, C)))
     gamma = take(D * 4, torch.float32, (D,))
     ut_s, mqk_s, kd_s = (int(x) for x in take(12, torch.int32, (3,)).tolist())
     return dict(W=W, QT=QT, KD=KD.double() * 2.0 ** kd_s, UT=UT.double() * 2.0 ** ut_s,

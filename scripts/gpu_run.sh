@@ -40,15 +40,16 @@ t0=$(date +%s)
 python3 -m pip install --no-build-isolation --no-deps . > /tmp/build.log 2>&1 || { tail -60 /tmp/build.log; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
 if [ "${TESTS:-1}" = 1 ]; then
-  python3 scripts/debug_records.py --T 130 --H 2
-  python3 scripts/debug_records.py --T 200 --H 1 --gate softplus
-  python3 scripts/debug_records.py --T 100 --H 1 --D 64
+  # Bounded, so that a kernel that hangs (an mbarrier that never completes) costs 2 minutes, not the call.
+  timeout 120 python3 scripts/debug_records.py --T 130 --H 2 || echo "debug_records rc=$?"
+  timeout 120 python3 scripts/debug_records.py --T 200 --H 1 --gate softplus || echo "debug_records rc=$?"
+  timeout 120 python3 scripts/debug_records.py --T 100 --H 1 --D 64 || echo "debug_records rc=$?"
   # -m gpu: tests/python/test_gpu.py (prefill) and tests/python/test_gpu_decode.py (decode) among others
   timeout ${PYTEST_TIMEOUT:-300} python3 -m pytest -m gpu ${PYTEST_PATHS:-tests/python} -q -x --maxfail=3 -p no:cacheprovider ${PYTEST_ARGS:-}
 fi
 if [ "${SANITIZE:-1}" = 1 ]; then
-  compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_case.py; echo "memcheck rc=$?"
-  compute-sanitizer --tool racecheck --error-exitcode 9 python3 scripts/sanitize_case.py; echo "racecheck rc=$?"
+  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_case.py; echo "memcheck rc=$?"
+  timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 python3 scripts/sanitize_case.py; echo "racecheck rc=$?"
 fi
 if [ "${NCU:-0}" = 1 ]; then
   ncu --clock-control none -k regex:chunk_prepare -c 1 --section SpeedOfLight --section Occupancy \

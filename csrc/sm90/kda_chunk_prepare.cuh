@@ -184,16 +184,22 @@ __device__ inline void load8_qk(const uint16_t* p, bool fp16, float (&x)[8]) {
   }
 }
 
-// Copies a staged tile of `rows` x kPitch 16-bit elements to its contiguous place in the record: one
-// 16-byte load and one 16-byte store per chunk, consecutive threads on consecutive chunks.
+// Copies a staged tile of `rows` x kPitch 16-bit elements to its place in the record (the SW128 image
+// of ChunkRecord): one 16-byte load and one 16-byte store per piece, consecutive threads on
+// consecutive pieces (the pieces of a 128-byte row group stay in that group: whole lines a warp).
 template <int kPitch>
 __device__ inline void store_staged_tile(const uint16_t* tile, bf16* dst, int rows, int tid) {
   constexpr int kChunks = kPitch / 8;
   for (int e = tid; e < rows * kChunks; e += kPrepareThreads) {
     const int row = e / kChunks, col = (e % kChunks) * 8;
-    *reinterpret_cast<uint4*>(dst + row * kPitch + col) =
+    *reinterpret_cast<uint4*>(reinterpret_cast<char*>(dst) + sw128_offset_rows(rows, row, col)) =
         *reinterpret_cast<const uint4*>(tile + staged_tile_offset<kPitch>(row, col));
   }
+}
+
+// The 16-bit record element (r, col) of a C-row tile (QT, KD, MQK: ChunkRecord's SW128 images).
+__device__ inline bf16* record_element(bf16* tile, int r, int col) {
+  return tile + sw128_element<kChunk>(r, col);
 }
 
 // Writes block (I, J) of L (fp32, smem) and MQK (fp16, record; `scale` includes MQK's shift) from
@@ -214,7 +220,7 @@ __device__ inline void store_lk_block(const float (&accL)[2][4], const float (&a
       sL[i * PrepareSmem<D>::kLdT + j + 1] = l1;
       const float m0 = (j <= i) ? scale * accM[nt][2 * hh] : 0.f;
       const float m1 = (j + 1 <= i) ? scale * accM[nt][2 * hh + 1] : 0.f;
-      *reinterpret_cast<uint32_t*>(mqk + i * kChunk + j) = pack_f16(m0, m1);
+      *reinterpret_cast<uint32_t*>(record_element(mqk, i, j)) = pack_f16(m0, m1);
     }
   }
 }
@@ -381,7 +387,8 @@ __device__ inline void lk_block_pairwise(const uint16_t* sQ, const uint16_t* sK,
       }
       if (lane == 0) {
         sL[i * PrepareSmem<D>::kLdT + j] = (jj < ii) ? sB[i] * pl : 0.f;
-        reinterpret_cast<__half*>(mqk)[i * kChunk + j] = __float2half_rn((jj <= ii) ? scale * pm : 0.f);
+        *reinterpret_cast<__half*>(record_element(mqk, i, j)) =
+            __float2half_rn((jj <= ii) ? scale * pm : 0.f);
       }
     }
   }
@@ -816,8 +823,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
         xk[i] *= sk * e;
         xv[i] *= sv;
       }
-      store8_bf16(rQT + r * D + c8, xq);
-      *reinterpret_cast<uint4*>(rKD + r * D + c8) = pack8_f16(xd);
+      store8_bf16(record_element(rQT, r, c8), xq);
+      *reinterpret_cast<uint4*>(record_element(rKD, r, c8)) = pack8_f16(xd);
       ktv[pass] = pack8_f16(xk);
       *reinterpret_cast<uint4*>(sV + r * ldh + c8) = pack8_f16(xv);
     }
@@ -830,7 +837,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   // Upper blocks of MQK are zero (the state pass multiplies the whole 64x64 tile).
   for (int e = tid; e < kChunk * kChunk / 8; e += kPrepareThreads) {
     const int i = e / (kChunk / 8), j = (e % (kChunk / 8)) * 8;
-    if ((j / 16) > (i / 16)) *reinterpret_cast<uint4*>(rMQK + i * kChunk + j) = make_uint4(0u, 0u, 0u, 0u);
+    if ((j / 16) > (i / 16))
+      *reinterpret_cast<uint4*>(record_element(rMQK, i, j)) = make_uint4(0u, 0u, 0u, 0u);
   }
   const bool pairwise_diag = __syncthreads_or(over) != 0;
 

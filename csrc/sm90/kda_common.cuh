@@ -198,7 +198,10 @@ __device__ inline int64_t state_row(const PrefillArgs& a, int64_t n) {
 
 // ---------------------------------------------------------------------------------------------
 // Per-chunk record in the workspace, written by chunk_prepare, read by state_recurrence.
-// All bf16 matrices are row-major and dense (the kernels pad them in shared memory).
+// Every 16-bit matrix is stored as the SW128 shared-memory image its reader uses (kda_sw128.h:
+// sw128_offset<rows>, 128-byte rows of 16-byte pieces XOR-swizzled by row & 7, 64-column halves
+// one after the other), so that state_recurrence moves each tile with one TMA bulk copy.  The
+// matrices below are listed by their logical row-major shape.
 //   W   [C][K]  = T_inv diag(b) (k * exp(G))
 //   QT  [C][K]  = scale * q * exp(G)
 //   KD  [C][K]  fp16 = k * exp(G_last - G) * 2^-KD_SHIFT

@@ -9,12 +9,15 @@
 //   OT  = S QT^T + VnT MQK^T    (64 x C: 8 + 4 m64n64k16, bf16 / fp16)
 //   S   = S diag(gamma) + VnT KD  (64 x D: 4 m64n128k16, fp16, KD N-major)
 // With mma.sync each warp loaded every B fragment itself (8 warps x ~56 KB of ldmatrix a chunk);
-// wgmma reads each tile once per warpgroup.  The record of chunk c+1 streams in with cp.async while
-// chunk c is computed (2 stages), issued right after the chunk's one block barrier.  The output tile
-// goes through shared memory so that global stores are 16-byte rows; it is double-buffered and
-// stored during the next chunk's first wgmma batch (one barrier per chunk instead of two).
-// Shared memory (D = 128, NW = 8): 2 stages x (W, QT, KD 3 x 16 KB + MQK 8 KB + UT 18 KB + gamma,
-// rounded to 1 KB) + 2 output tiles x 17 KB + 1 KB alignment: 185 KB.
+// wgmma reads each tile once per warpgroup.  The record of chunk c+1 streams in while chunk c is
+// computed (2 stages), issued right after the chunk's one block barrier by one thread as TMA bulk
+// copies (one per tile: the record holds each tile as its SW128 shared-memory image) completing on
+// the stage's mbarrier; with cp.async every thread issued ~20-40 16-byte copies a chunk between the
+// barrier and the first wgmma.  The output tile goes through shared memory so that global stores
+// are 16-byte rows; it is double-buffered and stored during the next chunk's first wgmma batch (one
+// barrier per chunk instead of two).
+// Shared memory (D = 128, NW = 8): 2 stages x (W, QT, KD 3 x 16 KB + MQK 8 KB + UT 16 KB + gamma,
+// rounded to 1 KB) + 2 output tiles x 17 KB + 2 mbarriers + 1 KB alignment: 182 KB.
 //
 // Modes (context parallelism, kda_segment_scan.cuh): kWhole walks whole sequences (grid.x = N).
 // kSegmentMap walks one segment of a sequence (grid.x = N max_segs) from S = 0 and from S = I at
@@ -38,7 +41,6 @@ enum class RecurrenceMode : int { kWhole = 0, kSegmentMap = 1, kSegmentApply = 2
 template <int D, int NW, bool kMap = false>
 struct RecurrenceSmem {
   static constexpr int kVs = 16 * NW;  // state rows per block
-  static constexpr int kLdC = kChunk + 8;
   static constexpr int kLdO = kVs + 8;
   // W, QT, KD (C x D) and MQK (C x C): SW128 tiles (kda_wgmma.cuh), the B operands of the wgmma.
   static constexpr int kTile = kChunk * D * 2;
@@ -46,47 +48,41 @@ struct RecurrenceSmem {
   static constexpr int kQT = kW + kTile;
   static constexpr int kKD = kQT + (kMap ? 0 : kTile);
   static constexpr int kMQK = kKD + kTile;
+  // UT: the block's kVs rows of the record's [D][C] SW128 image (128-byte rows), one contiguous run.
   static constexpr int kUT = kMQK + (kMap ? 0 : kChunk * kChunk * 2);
-  static constexpr int kGamma = kUT + kVs * kLdC * 2;
-  static constexpr int kShift = kGamma + D * 4;                      // UT shift (int32), padded to 16 bytes
+  static constexpr int kGamma = kUT + kVs * kChunk * 2;
+  static constexpr int kShift = kGamma + D * 4;  // UT, MQK, KD shifts (int32), copied with gamma
+  static constexpr int kGammaCopy = D * 4 + 16;
   static constexpr int kStage = (kShift + 16 + 1023) / 1024 * 1024;  // SW128 tiles stay 1024-aligned
   static constexpr int kOut = 2 * kStage;
   static constexpr int kOutTile = kChunk * kLdO * 2;  // two: chunk c's tile is stored during chunk c + 1
+  static constexpr int kBar = kOut + (kMap ? 0 : 2 * kOutTile);  // the stages' `full` mbarriers
   // + 1024: the kernel aligns the dynamic shared memory base up to 1024 bytes.
-  static constexpr int kBytes = kOut + (kMap ? 0 : 2 * kOutTile) + 1024;
+  static constexpr int kBytes = kBar + 16 + 1024;
   static_assert(kTile % 1024 == 0 && kMQK % 1024 == 0, "SW128 tiles must be 1024-byte aligned");
+  static_assert(kUT % 16 == 0 && kGamma % 16 == 0 && kBar % 8 == 0, "bulk copy / mbarrier alignment");
 };
 
-// Copies the parts of one chunk record this block needs into a stage (cp.async, not committed).
-// kMap: no QT or MQK; load_ut false for blocks of A rows (their UT is zero).
+// Copies the parts of one chunk record this block needs into a stage: TMA bulk copies issued by one
+// thread, completing on the stage's mbarrier `full` (expect_tx of their total).  The record's tiles
+// are already the stage's SW128 images.  kMap: no QT or MQK; load_ut false for blocks of A rows
+// (their UT is zero).
 template <int D, int NW, bool kMap>
-__device__ inline void load_record_async(const char* rec, unsigned char* stage, int v0, int tid,
-                                         bool load_ut) {
+__device__ inline void load_record_bulk(const char* rec, unsigned char* stage, int v0, bool load_ut,
+                                        uint64_t* full) {
   using SM = RecurrenceSmem<D, NW, kMap>;
   using R = ChunkRecord<D>;
-  constexpr int kThreads = 32 * NW;
-  constexpr int kRowVec = D / 8;  // 16-byte pieces per D row
-  for (int e = tid; e < kChunk * kRowVec; e += kThreads) {
-    const int r = e / kRowVec, c8 = (e % kRowVec) * 8;
-    const int t = sw128_offset<kChunk>(r, c8);
-    cp_async_16(stage + SM::kW + t, rec + R::kW + (r * D + c8) * 2);
-    if constexpr (!kMap) cp_async_16(stage + SM::kQT + t, rec + R::kQT + (r * D + c8) * 2);
-    cp_async_16(stage + SM::kKD + t, rec + R::kKD + (r * D + c8) * 2);
-  }
-  if constexpr (!kMap) {
-    for (int e = tid; e < kChunk * 8; e += kThreads) {
-      const int r = e / 8, c8 = (e % 8) * 8;
-      cp_async_16(stage + SM::kMQK + sw128_offset<kChunk>(r, c8), rec + R::kMQK + (r * kChunk + c8) * 2);
-    }
-  }
-  if (load_ut) {
-    for (int e = tid; e < SM::kVs * 8; e += kThreads) {
-      const int r = e / 8, c8 = (e % 8) * 8;
-      cp_async_16(stage + SM::kUT + (r * SM::kLdC + c8) * 2, rec + R::kUT + ((v0 + r) * kChunk + c8) * 2);
-    }
-  }
-  for (int e = tid; e < D / 4 + 1; e += kThreads)
-    cp_async_16(stage + SM::kGamma + e * 16, rec + R::kGamma + e * 16);
+  static_assert(R::kUtShift == R::kGamma + D * 4, "gamma and the shifts are one run");
+  constexpr uint32_t kUTBytes = SM::kVs * kChunk * 2;
+  const uint32_t bytes = 2 * SM::kTile + (kMap ? 0 : SM::kTile + kChunk * kChunk * 2) +
+                         (load_ut ? kUTBytes : 0) + SM::kGammaCopy;
+  mbar_arrive_expect_tx(full, bytes);
+  bulk_load(stage + SM::kW, rec + R::kW, SM::kTile, full);
+  if constexpr (!kMap) bulk_load(stage + SM::kQT, rec + R::kQT, SM::kTile, full);
+  bulk_load(stage + SM::kKD, rec + R::kKD, SM::kTile, full);
+  if constexpr (!kMap) bulk_load(stage + SM::kMQK, rec + R::kMQK, kChunk * kChunk * 2, full);
+  if (load_ut) bulk_load(stage + SM::kUT, rec + R::kUT + v0 * kChunk * 2, kUTBytes, full);
+  bulk_load(stage + SM::kGamma, rec + R::kGamma, SM::kGammaCopy, full);
 }
 
 template <int D, int NW, RecurrenceMode kMode>
@@ -142,14 +138,18 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
     return;
   }
 
-  // Start loading the first chunk before touching the state.
+  // Start loading the first chunk before touching the state.  Stage k & 1 holds chunk c_begin + k; its
+  // mbarrier completes once per use, so use k waits for parity (k >> 1) & 1.
   const char* rec_base = a.records + (sp.slot0 * a.H + h) * static_cast<int64_t>(ChunkRecord<D>::kBytes);
   const int64_t rec_stride = static_cast<int64_t>(a.H) * ChunkRecord<D>::kBytes;
-  if (c_begin < c_end) {
-    load_record_async<D, NW, kMap>(rec_base + c_begin * rec_stride, smem + (c_begin & 1) * SM::kStage, v0,
-                                   tid, !a_rows);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + SM::kBar);
+  if (tid == 0) {
+    mbar_init(&full[0], 1);
+    mbar_init(&full[1], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the async proxy
+    if (c_begin < c_end)
+      load_record_bulk<D, NW, kMap>(rec_base + c_begin * rec_stride, smem, v0, !a_rows, &full[0]);
   }
-  cp_async_commit();
 
   // State rows of this warp: r0 = v0 + 16 warp + g, r1 = r0 + 8; columns 8 j + 2 t (+1).
   float s[NT][4];
@@ -235,6 +235,8 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
     }
   }
 
+  __syncthreads();  // the mbarriers are initialised before any thread waits on them
+
   // With checkpoints the state is read at the walk's top, and an empty sequence has no first chunk:
   // both convert here.
   if (h0_bf16_pending && (a.ckpt_offsets != nullptr || c_begin >= c_end)) {
@@ -286,16 +288,15 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
     if constexpr (kWhole) {
       if (a.ckpt_offsets != nullptr) write_checkpoints(c);
     }
-    unsigned char* stage = smem + (c & 1) * SM::kStage;
-    cp_async_wait<0>();        // chunk c's record (issued during chunk c - 1)
-    fence_proxy_async_smem();  // the stage's cp.async writes, before the wgmma (async proxy) reads
-    // The one block barrier of a chunk: chunk c's record is visible, and every warp is done with
-    // chunk c - 1 (its stage, which the next copy overwrites, and the out tile stored below).
+    const int k = c - c_begin;
+    unsigned char* stage = smem + (k & 1) * SM::kStage;
+    mbar_wait(&full[k & 1], (k >> 1) & 1);  // chunk c's record (issued during chunk c - 1)
+    // The one block barrier of a chunk: every warp is done with chunk c - 1 (its stage, which the
+    // next copy overwrites, and the out tile stored below).
     __syncthreads();
-    if (c + 1 < c_end) {
-      load_record_async<D, NW, kMap>(rec_base + (c + 1) * rec_stride, smem + ((c + 1) & 1) * SM::kStage, v0,
-                                     tid, !a_rows);
-      cp_async_commit();
+    if (tid == 0 && c + 1 < c_end) {
+      load_record_bulk<D, NW, kMap>(rec_base + (c + 1) * rec_stride, smem + ((k + 1) & 1) * SM::kStage, v0,
+                                    !a_rows, &full[(k + 1) & 1]);
     }
     if (h0_bf16_pending) {  // first chunk only (uniform)
       h0_bf16_convert();
@@ -316,10 +317,11 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
       if (a_rows) {
         vn[j][0] = vn[j][1] = vn[j][2] = vn[j][3] = 0.f;
       } else {
-        const float2 u0 =
-            __half22float2(*reinterpret_cast<const __half2*>(sUT + (16 * warp + g) * SM::kLdC + col));
-        const float2 u1 =
-            __half22float2(*reinterpret_cast<const __half2*>(sUT + (16 * warp + g + 8) * SM::kLdC + col));
+        // Rows 16 warp + g (+ 8) of the SW128 image: the 8 rows g sit in 8 different 16-byte bank groups.
+        const float2 u0 = __half22float2(
+            *reinterpret_cast<const __half2*>(sUT + sw128_element<SM::kVs>(16 * warp + g, col)));
+        const float2 u1 = __half22float2(
+            *reinterpret_cast<const __half2*>(sUT + sw128_element<SM::kVs>(16 * warp + g + 8, col)));
         vn[j][0] = u0.x * ut_scale;
         vn[j][1] = u0.y * ut_scale;
         vn[j][2] = u1.x * ut_scale;

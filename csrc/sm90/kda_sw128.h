@@ -20,11 +20,23 @@
 namespace flashkda {
 namespace sm90 {
 
-// Byte offset of the 16-byte piece holding elements [c8, c8 + 8) of row r in a SW128 tile of R rows.
+// Byte offset of the 16-byte piece holding elements [c8, c8 + 8) of row r in a SW128 tile of `rows`
+// rows (a multiple of 8).
+FLASHKDA_HOST_DEVICE int sw128_offset_rows(int rows, int r, int c8) {
+  return (c8 >> 6) * (rows * 128) + r * 128 + ((((c8 & 63) >> 3) ^ (r & 7)) << 4);
+}
+
+// The same with the row count known at compile time.
 template <int R>
 FLASHKDA_HOST_DEVICE int sw128_offset(int r, int c8) {
   static_assert(R % 8 == 0, "a half holds whole 8-row swizzle groups");
-  return (c8 >> 6) * (R * 128) + r * 128 + ((((c8 & 63) >> 3) ^ (r & 7)) << 4);
+  return sw128_offset_rows(R, r, c8);
+}
+
+// Element offset of the 16-bit element (r, col) in a SW128 tile of R rows.
+template <int R>
+FLASHKDA_HOST_DEVICE int sw128_element(int r, int col) {
+  return sw128_offset<R>(r, col & ~7) / 2 + (col & 7);
 }
 
 // Element offset of (r, col) in a staged 16-bit record tile of kPitch elements a row (chunk_prepare's

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <set>
+#include <type_traits>
 
 #include "sm90/kda_sw128.h"
 
@@ -51,6 +52,40 @@ void check_tile() {
 TEST(SharedMemoryLayout, Sw128TileMatchesTheHardwareSwizzle) {
   check_tile<64, 128>();  // W, QT, KD, v, kt (C x D, D = 128)
   check_tile<64, 64>();   // MQK, Tb (C x C), and the D = 64 tiles
+}
+
+TEST(SharedMemoryLayout, RecordTilesAreSw128Images) {
+  // chunk_prepare writes each 16-bit record element at sw128_element (ChunkRecord), and
+  // state_recurrence bulk-copies the tile and reads it there: the element map must be the piece map
+  // plus the element's place in its piece, a permutation of the tile, and a slice of rows of the UT
+  // tile [D][C] (v0 a multiple of 8, as the state slices are) must be the contiguous run of the
+  // slice's own image.
+  auto check = [](auto rows_tag, int cols) {
+    constexpr int R = decltype(rows_tag)::value;
+    std::set<int> seen;
+    for (int r = 0; r < R; ++r) {
+      for (int col = 0; col < cols; ++col) {
+        const int e = flashkda::sm90::sw128_element<R>(r, col);
+        EXPECT_EQ(e, sw128_offset<R>(r, col & ~7) / 2 + (col & 7)) << "row " << r << " column " << col;
+        EXPECT_EQ(flashkda::sm90::sw128_offset_rows(R, r, col & ~7), sw128_offset<R>(r, col & ~7));
+        seen.insert(e);
+      }
+    }
+    EXPECT_EQ(static_cast<int>(seen.size()), R * cols);
+    EXPECT_EQ(*seen.begin(), 0);
+    EXPECT_EQ(*seen.rbegin(), R * cols - 1);
+  };
+  check(std::integral_constant<int, 64>{}, 128);  // W, QT, KD at D = 128
+  check(std::integral_constant<int, 64>{}, 64);   // MQK, and the D = 64 tiles
+  check(std::integral_constant<int, 128>{}, 64);  // UT at D = 128
+  for (int v0 = 0; v0 < 128; v0 += 64) {
+    for (int r = 0; r < 64; ++r) {
+      for (int col = 0; col < 64; ++col) {
+        EXPECT_EQ(flashkda::sm90::sw128_element<128>(v0 + r, col),
+                  v0 * 64 + flashkda::sm90::sw128_element<64>(r, col));
+      }
+    }
+  }
 }
 
 TEST(SharedMemoryLayout, Sw128KStepsStayInsideTheAtom) {
