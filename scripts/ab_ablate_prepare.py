@@ -36,9 +36,9 @@ ABLATIONS = {
     ut_item(warp, 1);
     w_item(warp < 4 ? 3 : 2, warp & 3);
     w_item(warp < 4 ? 0 : 1, warp & 3);""", "    (void)ut_item, (void)w_item;")]),
-    "wut_stores": ("the global stores of the staged W / UT tiles",
-                   [("""  store_staged_tile<D>(sWst, rW, kChunk, tid);
-  store_staged_tile<kChunk>(sUTst, rUT, D, tid);""", "  (void)rW, (void)rUT;")]),
+    "wut_stores": ("the global stores of the staged W / UT tiles (their TMA bulk stores)",
+                   [("""    bulk_store(rW, sWst, kChunk * D * 2);
+    bulk_store(rUT, sUTst, D * kChunk * 2);""", "    (void)rW, (void)rUT;")]),
     "tinv": ("the T_inv column walks (off-diagonal blocks of T_inv)",
              [("  if (warp < 3) {  // column J = warp", "  if (warp < 0) {  // column J = warp")]),
     "gate": ("the bounded gate's two SFU operations per element (the FFMA stays)",

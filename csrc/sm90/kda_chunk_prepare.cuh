@@ -30,7 +30,7 @@
 //      scales are exact and undone on W (fp32 accumulator) and recorded for UT (stored fp16).  fp16's
 //      11-bit mantissa on v and T_inv is what keeps the state error well under bf16's.  The work is
 //      dealt so that every warp issues the same number of mma.  Both tiles are staged in shared memory
-//      (over L and G's second half) and written to the record as 16-byte rows.
+//      (over L and G's second half) as their record images and stored by two TMA bulk copies.
 // Shared memory (D = 128): q, k 16-bit 2 x 17.4 KB (later T_inv fp32 + fp16), G fp32 34.8 KB (later
 // kt), v 17.4 KB, L fp32 16.6 KB: about 104 KB, two blocks per SM.
 #pragma once
@@ -76,13 +76,14 @@ struct PrepareSmem {
   static constexpr int kX = kTib + kChunk * kLdTb * 2;  // column-walk scratch 3 x 16 x 17 fp32
   static constexpr int kBytes = kTinvOverQK ? kEnd : kEnd + kTinvBytes;
   static_assert(kChunk * kLdH * 2 <= kV - kG, "kt must fit over G");
-  // Phase 5 stages the W [C][D] and UT [D][C] record tiles (staged_tile_offset, kda_sw128.h) for
-  // coalesced 16-byte stores: W over L (dead after the T_inv walks), UT over G's second half (kt
-  // holds the first).
+  // Phase 5 stages the W [C][D] and UT [D][C] record tiles as their SW128 images (sw128_element,
+  // kda_sw128.h) for two TMA bulk stores: W over L (dead after the T_inv walks), UT over G's second
+  // half (kt holds the first).
   static constexpr int kWst = kL;
   static constexpr int kUTst = kKtb + kChunk * kLdH * 2;
   static_assert(kChunk * D * 2 <= kChunk * kLdT * 4, "staged W must fit over L");
   static_assert(kUTst + D * kChunk * 2 <= kV, "staged UT must fit over G after kt");
+  static_assert(kWst % 16 == 0 && kUTst % 16 == 0, "bulk stores read 16-byte aligned shared memory");
   // Two blocks per SM: 228 KB of shared memory an SM, 1 KB of it reserved per block.
   static_assert(D != 128 || 2 * (kBytes + 1024) <= 228 * 1024, "chunk_prepare must fit two blocks per SM");
 };
@@ -181,19 +182,6 @@ __device__ inline void load8_qk(const uint16_t* p, bool fp16, float (&x)[8]) {
     }
     x[2 * i] = f.x;
     x[2 * i + 1] = f.y;
-  }
-}
-
-// Copies a staged tile of `rows` x kPitch 16-bit elements to its place in the record (the SW128 image
-// of ChunkRecord): one 16-byte load and one 16-byte store per piece, consecutive threads on
-// consecutive pieces (the pieces of a 128-byte row group stay in that group: whole lines a warp).
-template <int kPitch>
-__device__ inline void store_staged_tile(const uint16_t* tile, bf16* dst, int rows, int tid) {
-  constexpr int kChunks = kPitch / 8;
-  for (int e = tid; e < rows * kChunks; e += kPrepareThreads) {
-    const int row = e / kChunks, col = (e % kChunks) * 8;
-    *reinterpret_cast<uint4*>(reinterpret_cast<char*>(dst) + sw128_offset_rows(rows, row, col)) =
-        *reinterpret_cast<const uint4*>(tile + staged_tile_offset<kPitch>(row, col));
   }
 }
 
@@ -953,9 +941,9 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
       const int col = 32 * ng + 8 * nt + 2 * t;
-      *reinterpret_cast<uint32_t*>(sWst + staged_tile_offset<D>(16 * I + g, col)) =
+      *reinterpret_cast<uint32_t*>(sWst + sw128_element<kChunk>(16 * I + g, col)) =
           pack_bf16(acc[nt][0] * w_unscale, acc[nt][1] * w_unscale);
-      *reinterpret_cast<uint32_t*>(sWst + staged_tile_offset<D>(16 * I + g + 8, col)) =
+      *reinterpret_cast<uint32_t*>(sWst + sw128_element<kChunk>(16 * I + g + 8, col)) =
           pack_bf16(acc[nt][2] * w_unscale, acc[nt][3] * w_unscale);
     }
   };
@@ -976,9 +964,9 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
       const int col = 32 * nh + 8 * nt + 2 * t;
-      *reinterpret_cast<uint32_t*>(sUTst + staged_tile_offset<kChunk>(16 * mt + g, col)) =
+      *reinterpret_cast<uint32_t*>(sUTst + sw128_element<D>(16 * mt + g, col)) =
           pack_f16(acc[nt][0], acc[nt][1]);
-      *reinterpret_cast<uint32_t*>(sUTst + staged_tile_offset<kChunk>(16 * mt + g + 8, col)) =
+      *reinterpret_cast<uint32_t*>(sUTst + sw128_element<D>(16 * mt + g + 8, col)) =
           pack_f16(acc[nt][2], acc[nt][3]);
     }
   };
@@ -993,11 +981,17 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     ut_item(warp >> 1, warp & 1);
     w_item(((warp & 1) ? 0 : 2) + (warp >> 2), (warp >> 1) & 1);
   }
-  // The staged tiles to the record as 16-byte stores: the fragment layout's 4-byte stores touched 8
-  // rows (8 partial sectors) per instruction and cost more than the tiles' math (perf-notes v11).
+  // The staged tiles are the record's SW128 images: one thread stores each with a TMA bulk copy.  The
+  // fragment layout's 4-byte global stores cost more than the tiles' math, and a 16-byte copy-out by
+  // every thread still ~21 us of 288 on 8x2048 H16 (perf-notes v11, v12).
+  fence_proxy_async_shared();  // the staged writes, before the bulk copies read them (async proxy)
   __syncthreads();
-  store_staged_tile<D>(sWst, rW, kChunk, tid);
-  store_staged_tile<kChunk>(sUTst, rUT, D, tid);
+  if (tid == 0) {
+    bulk_store(rW, sWst, kChunk * D * 2);
+    bulk_store(rUT, sUTst, D * kChunk * 2);
+    bulk_store_commit();
+    bulk_store_wait_read();  // the block's shared memory lives until its last thread exits
+  }
 }
 
 }  // namespace sm90

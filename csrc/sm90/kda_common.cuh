@@ -385,6 +385,23 @@ __device__ inline void bulk_load(void* dst, const void* src, uint32_t bytes, uin
       : "memory");
 }
 
+// TMA bulk copy shared -> global (16-byte aligned, a multiple of 16 bytes) in this thread's bulk
+// group; the writes to the shared source must be ordered before it by fence.proxy.async (the copy
+// reads through the async proxy), and the source must stay valid until bulk_store_wait_read.
+__device__ inline void bulk_store(void* dst, const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst),
+               "r"(smem_addr(src)), "r"(bytes)
+               : "memory");
+}
+__device__ inline void bulk_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Waits until the committed bulk stores have read their shared-memory sources.
+__device__ inline void bulk_store_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+__device__ inline void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
 // 1/sqrt(x) on the SFU without the denormal-input guard of rsqrtf (two FSETP / FMUL pairs): for
 // callers whose x is a normal number (the same result there).
 __device__ inline float fast_rsqrt(float x) {

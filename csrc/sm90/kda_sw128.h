@@ -1,7 +1,7 @@
 // The 128-byte-swizzled ("SW128") shared-memory tile layout of the wgmma operands (kda_wgmma.cuh),
 // and the staged record tiles of chunk_prepare, host-callable so that the CPU tests check them
-// (tests/cpp/test_layouts.cpp): the first against the hardware's swizzle definition, both for the
-// bank-conflict properties the kernels rely on.
+// (tests/cpp/test_layouts.cpp) against the hardware's swizzle definition and for the bank-conflict
+// properties the kernels rely on.  The chunk records (ChunkRecord) are stored as these images.
 //
 // A 16-bit matrix of R rows and 64 h columns is stored as h column halves of R x 128 bytes, each
 // half 1024-byte aligned; inside a half, the 16-byte piece c (0..7) of row r sits at
@@ -37,17 +37,6 @@ FLASHKDA_HOST_DEVICE int sw128_offset(int r, int c8) {
 template <int R>
 FLASHKDA_HOST_DEVICE int sw128_element(int r, int col) {
   return sw128_offset<R>(r, col & ~7) / 2 + (col & 7);
-}
-
-// Element offset of (r, col) in a staged 16-bit record tile of kPitch elements a row (chunk_prepare's
-// W [C][D] and UT [D][C] before their 16-byte stores): the record's own row-major layout with the
-// 16-byte chunks of every 128-byte group of a row XOR-swizzled by r & 7.  The mma fragment stores
-// (rows r0 .. r0 + 7 with r0 % 8 == 0, 4 lanes of 4 bytes in one chunk column) then hit 32 different
-// banks, and the copy-out reads whole chunks.
-template <int kPitch>
-FLASHKDA_HOST_DEVICE int staged_tile_offset(int r, int col) {
-  static_assert(kPitch % 64 == 0, "whole 128-byte groups a row");
-  return r * kPitch + ((((col >> 3) ^ r) & 7) | ((col >> 3) & ~7)) * 8 + (col & 7);
 }
 
 }  // namespace sm90

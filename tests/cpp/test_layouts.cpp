@@ -1,9 +1,8 @@
 // Shared-memory layouts of the sm90 kernels that the CPU can check: the SW128 tile of the wgmma
 // operands (csrc/sm90/kda_sw128.h), against the hardware's 128-byte swizzle as the PTX ISA defines
 // it, and the properties the kernels rely on (a permutation of the tile's 16-byte pieces, whole
-// pieces per 8-row group, no bank conflict for 8 rows of one piece column); and chunk_prepare's
-// staged record tiles (staged_tile_offset): a permutation of whole chunks within each row, and no
-// bank conflict for the mma fragment stores nor for the whole-chunk reads of the copy-out.
+// pieces per 8-row group, no bank conflict for 8 rows of one piece column); the record tiles, which
+// are SW128 images; and chunk_prepare's staging of them: no bank conflict for the mma fragment stores.
 #include <gtest/gtest.h>
 
 #include <set>
@@ -13,7 +12,6 @@
 
 namespace {
 
-using flashkda::sm90::staged_tile_offset;
 using flashkda::sm90::sw128_offset;
 
 // The hardware's swizzle on a byte address relative to a 1024-byte-aligned base: bits [4, 7) are
@@ -105,36 +103,30 @@ TEST(SharedMemoryLayout, Sw128KStepsStayInsideTheAtom) {
 // Shared memory has 32 banks of 4 bytes; the bank of a 16-bit element offset.
 int bank_of(int element) { return (element * 2 / 4) % 32; }
 
-template <int kPitch, int kRows>
+// chunk_prepare stages W [C][D] and UT [D][C] as their record images (sw128_element) and stores
+// them with TMA bulk copies; the staging writes are the mma fragment stores of phase 5.
+template <int kCols, int kRows>
 void check_staged_tile() {
   std::set<int> seen;
   for (int r = 0; r < kRows; ++r) {
-    for (int col = 0; col < kPitch; ++col) {
-      const int off = staged_tile_offset<kPitch>(r, col);
-      EXPECT_EQ(off / kPitch, r) << "an element stays in its row (the row is one contiguous record row)";
-      EXPECT_EQ(off % 8, col % 8) << "a 16-byte chunk moves whole";
+    for (int col = 0; col < kCols; ++col) {
+      const int off = flashkda::sm90::sw128_element<kRows>(r, col);
+      EXPECT_EQ((off % (kRows * 64)) / 64, r) << "an element stays in its row's 128-byte line";
+      EXPECT_EQ(off % 8, col % 8) << "a 16-byte piece moves whole";
       seen.insert(off);
     }
   }
-  EXPECT_EQ(static_cast<int>(seen.size()), kRows * kPitch) << "a permutation of the tile";
+  EXPECT_EQ(static_cast<int>(seen.size()), kRows * kCols) << "a permutation of the tile";
   // The fragment stores of phase 5: lane (g, t) writes the 4 bytes at (r0 + g, c0 + 2 t), for every
-  // 8-row group r0 and every chunk column c0; the warp's 32 words must be in 32 different banks.
+  // 8-row group r0 and every piece column c0; the warp's 32 words must be in 32 different banks.
   for (int r0 = 0; r0 < kRows; r0 += 8) {
-    for (int c0 = 0; c0 < kPitch; c0 += 8) {
+    for (int c0 = 0; c0 < kCols; c0 += 8) {
       std::set<int> banks;
       for (int g = 0; g < 8; ++g) {
-        for (int t = 0; t < 4; ++t) banks.insert(bank_of(staged_tile_offset<kPitch>(r0 + g, c0 + 2 * t)));
+        for (int t = 0; t < 4; ++t)
+          banks.insert(bank_of(flashkda::sm90::sw128_element<kRows>(r0 + g, c0 + 2 * t)));
       }
       EXPECT_EQ(banks.size(), 32u) << "fragment store, rows " << r0 << "-" << r0 + 7 << ", column " << c0;
-    }
-  }
-  // The copy-out: 8 consecutive threads read the 8 chunks of one 128-byte group of a row as 16-byte
-  // loads (a quarter-warp is one shared-memory wavefront): 8 distinct groups of 4 banks.
-  for (int r = 0; r < kRows; ++r) {
-    for (int g0 = 0; g0 < kPitch; g0 += 64) {
-      std::set<int> quads;
-      for (int c = g0; c < g0 + 64; c += 8) quads.insert(bank_of(staged_tile_offset<kPitch>(r, c)) / 4);
-      EXPECT_EQ(quads.size(), 8u) << "copy-out, row " << r << ", group " << g0;
     }
   }
 }
