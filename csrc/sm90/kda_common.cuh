@@ -398,8 +398,15 @@ __device__ inline void bulk_store_commit() { asm volatile("cp.async.bulk.commit_
 __device__ inline void bulk_store_wait_read() {
   asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 }
+// Orders this thread's generic-proxy shared-memory writes before async-proxy reads (a bulk copy, a
+// wgmma) that a following barrier publishes.
 __device__ inline void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// Makes this thread's mbarrier.init visible to the async proxy (the TMA completing bytes on them)
+// and, after a barrier, to the other threads of the cluster.
+__device__ inline void fence_mbarrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 
 // 1/sqrt(x) on the SFU without the denormal-input guard of rsqrtf (two FSETP / FMUL pairs): for

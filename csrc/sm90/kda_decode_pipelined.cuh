@@ -328,7 +328,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
     }
     sm.err = 0;
     *reinterpret_cast<volatile uint32_t*>(&sm.param_touch) = touch_decode_params(a);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    fence_mbarrier_init();
   }
   __syncthreads();
   decode_wait_previous_kernel();  // the set-up above overlaps the previous kernel's tail

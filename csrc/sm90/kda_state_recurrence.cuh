@@ -146,7 +146,7 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
   if (tid == 0) {
     mbar_init(&full[0], 1);
     mbar_init(&full[1], 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the async proxy
+    fence_mbarrier_init();
     if (c_begin < c_end)
       load_record_bulk<D, NW, kMap>(rec_base + c_begin * rec_stride, smem, v0, !a_rows, &full[0]);
   }
