@@ -78,6 +78,9 @@ struct PrefillArgs {
   float* seg_ws;
   int seg_chunks;
   int max_segs;
+  // Whole walks only: blocks take (sequence, head) longest sequence first (set by the launch when
+  // the grid is varlen, has 2 <= N <= the block's threads, and more blocks than SMs).
+  int walk_longest_first;
 };
 
 // ---------------------------------------------------------------------------------------------

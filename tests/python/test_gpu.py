@@ -189,12 +189,23 @@ def test_in_place_state(gen, state_dtype):
     judge(gen, ref_inp, out, state, SPEC_OUT, tol)
 
 
+@pytest.mark.parametrize("lens", [[64, 200, 64, 0, 200, 1, 130], [5] * 40], ids=["ties", "equal"])
+def test_walk_longest_first_order(gen, lens):
+    """Varlen walks with more blocks than SMs take sequences longest first (equal lengths and ties by
+    index): every (sequence, head) must still be walked exactly once."""
+    inp = make_inputs(lens, H=32, D=128, device=DEV, generator=gen)
+    out, fs = poisoned_outputs(inp)
+    run(inp, out, fs)
+    judge(gen, inp, out, fs, SPEC_OUT, SPEC_STATE)
+
+
+@pytest.mark.parametrize("H", [4, 32], ids=["H4", "H32"])  # H32: the longest-first walk order
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_state_pool(gen, state_dtype):
+def test_state_pool(gen, state_dtype, H):
     lens = [40, 3, 0, 130, 65]
-    inp = make_inputs(lens, H=4, D=128, device=DEV, state_dtype=state_dtype, generator=gen)
+    inp = make_inputs(lens, H=H, D=128, device=DEV, state_dtype=state_dtype, generator=gen)
     P = 9
-    pool = (0.1 * torch.randn(P, 4, 128, 128, generator=gen)).to(device=DEV, dtype=state_dtype)
+    pool = (0.1 * torch.randn(P, H, 128, 128, generator=gen)).to(device=DEV, dtype=state_dtype)
     idx = torch.tensor([7, -1, 0, 2, 5], dtype=torch.int32, device=DEV)
     has = torch.tensor([True, True, True, False, True], device=DEV)
     inp["initial_state"] = pool.clone()
