@@ -74,7 +74,10 @@ struct PrepareSmem {
   static constexpr int kTi = kTinvOverQK ? kQ : kEnd;   // fp32 T_inv [C][kLdT]
   static constexpr int kTib = kTi + kChunk * kLdT * 4;  // fp16 T_inv diag(b) [C][kLdTb]
   static constexpr int kX = kTib + kChunk * kLdTb * 2;  // column-walk scratch 3 x 16 x 17 fp32
-  static constexpr int kBytes = kTinvOverQK ? kEnd : kEnd + kTinvBytes;
+  // MQK [C][C] fp16 staged as its record image in a buffer of its own (nothing is dead in phase 3),
+  // stored by one TMA bulk copy right after phase 3.
+  static constexpr int kMqkSt = ((kTinvOverQK ? kEnd : kEnd + kTinvBytes) + 15) / 16 * 16;
+  static constexpr int kBytes = kMqkSt + kChunk * kChunk * 2;
   static_assert(kChunk * kLdH * 2 <= kV - kG, "kt must fit over G");
   // Phase 5 stages the W [C][D] and UT [D][C] record tiles as their SW128 images (sw128_element,
   // kda_sw128.h) for two TMA bulk stores: W over L (dead after the T_inv walks), UT over G's second
@@ -190,8 +193,8 @@ __device__ inline bf16* record_element(bf16* tile, int r, int col) {
   return tile + sw128_element<kChunk>(r, col);
 }
 
-// Writes block (I, J) of L (fp32, smem) and MQK (fp16, record; `scale` includes MQK's shift) from
-// mma accumulators (2 n-tiles).
+// Writes block (I, J) of L (fp32, smem) and MQK (fp16, its staged record image; `scale` includes MQK's shift)
+// from mma accumulators (2 n-tiles).
 template <int D>
 __device__ inline void store_lk_block(const float (&accL)[2][4], const float (&accM)[2][4], const float* sB,
                                       float* sL, bf16* mqk, float scale, int I, int J, int lane) {
@@ -760,6 +763,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   bf16* rKD = reinterpret_cast<bf16*>(rec + ChunkRecord<D>::kKD);
   bf16* rUT = reinterpret_cast<bf16*>(rec + ChunkRecord<D>::kUT);
   bf16* rMQK = reinterpret_cast<bf16*>(rec + ChunkRecord<D>::kMQK);
+  bf16* sMQK = reinterpret_cast<bf16*>(smem + SM::kMqkSt);  // MQK's record image, stored after phase 3
   float* rGamma = reinterpret_cast<float*>(rec + ChunkRecord<D>::kGamma);
   // KD and MQK are stored in fp16 with power-of-two shifts: |KD| <= max|k| and
   // |MQK| <= scale |q_i| |k_j| (every decay factor is <= 1), so these bounds never overflow.
@@ -826,7 +830,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   for (int e = tid; e < kChunk * kChunk / 8; e += kPrepareThreads) {
     const int i = e / (kChunk / 8), j = (e % (kChunk / 8)) * 8;
     if ((j / 16) > (i / 16))
-      *reinterpret_cast<uint4*>(record_element(rMQK, i, j)) = make_uint4(0u, 0u, 0u, 0u);
+      *reinterpret_cast<uint4*>(record_element(sMQK, i, j)) = make_uint4(0u, 0u, 0u, 0u);
   }
   const bool pairwise_diag = __syncthreads_or(over) != 0;
 
@@ -840,16 +844,16 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
       constexpr bool kF16 = decltype(f16)::value;
       if (warp < 4) {
         if (!pairwise_diag) {
-          lk_block_diag_tf32<D, kF16>(sQ, sK, sG, sB, sL, rMQK, mqk_scale, warp, lane);
+          lk_block_diag_tf32<D, kF16>(sQ, sK, sG, sB, sL, sMQK, mqk_scale, warp, lane);
         } else {
-          lk_block_pairwise<D>(sQ, sK, kF16, sG, sB, sL, rMQK, mqk_scale, warp, lane);
+          lk_block_pairwise<D>(sQ, sK, kF16, sG, sB, sL, sMQK, mqk_scale, warp, lane);
         }
         __syncwarp();
         if (lane < 16) tinv_diag_block<D>(sL, tcol, warp, lane);
       } else {
         const int q = warp - 4;  // (I, J0, two): (3,0,1) (2,0,1) (3,2,0) (1,0,0)
         const int I = q == 0 ? 3 : (q == 1 ? 2 : (q == 2 ? 3 : 1));
-        lk_row_blocks<D, kF16>(sQ, sK, sG, sB, sL, rMQK, mqk_scale, I, q == 2 ? 2 : 0, q < 2, lane);
+        lk_row_blocks<D, kF16>(sQ, sK, sG, sB, sL, sMQK, mqk_scale, I, q == 2 ? 2 : 0, q < 2, lane);
       }
     };
     if (qk16) {
@@ -858,7 +862,12 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
       blocks(std::false_type{});
     }
   }
+  fence_proxy_async_shared();  // MQK's staged writes, before the bulk copy reads them (async proxy)
   __syncthreads();
+  if (tid == 0) {  // waited for (its shared-memory read) with W and UT's before the block exits
+    bulk_store(rMQK, sMQK, kChunk * kChunk * 2);
+    bulk_store_commit();
+  }
 
   // ---- 4. kt over G (phase 3 was G's last reader), then T_inv = (I + L)^-1 over q and k ----------
 #pragma unroll
