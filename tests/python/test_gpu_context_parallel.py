@@ -58,7 +58,7 @@ def test_in_place_state(gen, segments, state_dtype):
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_state_pool(gen, segments, state_dtype):
-    base.test_state_pool(gen, state_dtype)
+    base.test_state_pool(gen, state_dtype, H=4)
 
 
 def test_deterministic(gen, segments):
