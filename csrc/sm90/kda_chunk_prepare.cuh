@@ -19,7 +19,9 @@
 //      tf32 mma (fp32 range, 10-bit mantissa) rather than bf16.  Off-diagonal factors are bf16, or
 //      fp16 (packed products) when q and k are l2-normalised; A depends on I alone, so the warps that
 //      own two blocks of one row block form it once.  Warps 0-3 own the diagonal blocks, 4-7 the six
-//      off-diagonal ones.  MQK is stored fp16 with a power-of-two shift from the bound scale |q_i| |k_j|.
+//      off-diagonal ones.  MQK is fp16 with a power-of-two shift from the bound scale |q_i| |k_j|,
+//      written to its staged record image and stored by one TMA bulk copy right after phase 3
+//      (the 4-byte fragment stores it replaced cost 2-3% of a call).
 //   4. kt replaces G; T_inv = (I + L)^-1 replaces q, k: 16x16 diagonal blocks by fp32 forward
 //      substitution (in phase 3, by the warp that computed L_II, kept in registers until q and k are
 //      dead), then the off-diagonal blocks T_IJ = -T_II sum_M L_IM T_MJ on tf32 mma, one warp per
@@ -32,7 +34,7 @@
 //      dealt so that every warp issues the same number of mma.  Both tiles are staged in shared memory
 //      (over L and G's second half) as their record images and stored by two TMA bulk copies.
 // Shared memory (D = 128): q, k 16-bit 2 x 17.4 KB (later T_inv fp32 + fp16), G fp32 34.8 KB (later
-// kt), v 17.4 KB, L fp32 16.6 KB: about 104 KB, two blocks per SM.
+// kt), v 17.4 KB, L fp32 16.6 KB, staged MQK 8 KB: about 112 KB, two blocks per SM.
 #pragma once
 
 #include <cuda_fp16.h>
