@@ -8,7 +8,9 @@
 # copy of the tree into its own --target folder, then bench/bench_prefill.py or bench/bench_decode.py
 # (BENCH=prefill | decode; ours only) runs once per variant per round in a fresh process (two builds
 # of the extension cannot share one process).  CASES are the benchmark's own --cases.
-#   VARIANTS="old_walk" CASES=0,3 ROUNDS=3 ITERS=30 bash scripts/ab_bench.sh
+#   FLASHKDA_COMMIT=<sha of the tree> VARIANTS="old_walk" CASES=0,3 ROUNDS=3 ITERS=30 bash scripts/ab_bench.sh
+# (FLASHKDA_COMMIT goes into each JSON's meta.commit, "+ab/<variant>" for the overlays; without it
+# the commit reads "unknown": the device copy's git metadata can be stale.)
 #   BENCH=decode VARIANTS="old_decode" CASES=... ROUNDS=3 bash scripts/ab_bench.sh
 # Output: $OUT/ab.log, $OUT/ab_<variant>_r<round>.json, $OUT/ab_summary.md (medians over rounds, per
 # kernel, and each variant against base).  Cost: ~30 s of build per variant, ~10 s per run and case.
@@ -44,7 +46,9 @@ for r in $(seq 1 "$ROUNDS"); do
     else
       cmd=(bench/bench_decode.py --no-fla --no-cold --iters "$ITERS" ${CASES:+--cases "$CASES"})
     fi
-    if ! PYTHONPATH="/tmp/ab_site/$v${PYTHONPATH:+:$PYTHONPATH}" python3 "${cmd[@]}" --json "$OUT/ab_${v}_r$r.json" \
+    # The JSON's commit names the tree and the overlay (the device copy's git metadata can be stale).
+    tag="${FLASHKDA_COMMIT:-unknown}"; [ "$v" != base ] && tag="$tag+ab/$v"
+    if ! FLASHKDA_COMMIT="$tag" PYTHONPATH="/tmp/ab_site/$v${PYTHONPATH:+:$PYTHONPATH}" python3 "${cmd[@]}" --json "$OUT/ab_${v}_r$r.json" \
         > /tmp/ab_run.log 2>&1; then
       echo "run $v round $r failed:"; tail -20 /tmp/ab_run.log
     fi

@@ -29,6 +29,7 @@ mkdir -p "$OUT"
 exec > >(tee -a "$OUT/run.log") 2>&1
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton_cache CMAKE_BUILD_PARALLEL_LEVEL=16
 # The device copy of the tree may have no usable git history: pass the commit in (FLASHKDA_COMMIT).
+[ -n "${FLASHKDA_COMMIT:-}" ] || echo "warning: FLASHKDA_COMMIT is not set; the JSON's commit comes from the device copy's git metadata, which can be stale"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site
