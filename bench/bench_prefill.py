@@ -36,6 +36,9 @@ CASES = [
     ("8x1024, H64", [1024] * 8, 64),
     ("64x256, H16", [256] * 64, 16),
     ("1x65536, H16", [65536], 16),
+    # Short serving calls (chunked-prefill continuations), where the fixed cost of a call shows.
+    ("1x512, H16", [512], 16),
+    ("16x64, H16", [64] * 16, 16),
 ]
 FLA_US = {  # kda_spec.md section 7, fla 0.5.2 on H200 (for reference; we re-measure fla when importable)
     "8x2048, H16": 886, "4x8192, H16": 1824, "1x16384, H16": 1323, "1x8192, H64": 1753, "1x8192, H96": 2649,
