@@ -12,9 +12,11 @@ ab_summary = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ab_summary)
 
 
-def _write(tmp_path, variant, rnd, call_us, prep_us):
+def _write(tmp_path, variant, rnd, call_us, prep_us, prep_graph_us=None):
     row = {"case": "8x2048, H16", "ours_us": call_us,
            "ours_kernels_us": {"void flashkda::sm90::chunk_prepare_kernel": prep_us}}
+    if prep_graph_us is not None:
+        row["ours_kernels_graph_us"] = {"void flashkda::sm90::chunk_prepare_kernel": prep_graph_us}
     p = tmp_path / f"ab_{variant}_r{rnd}.json"
     p.write_text(json.dumps({"prefill": [row]}))
     return str(p)
@@ -31,6 +33,14 @@ def test_medians_and_delta_against_base(tmp_path):
     assert "| 3 | 102.0 | - |" in base and "chunk_prepare_kernel 71.0" in base
     assert "| 3 | 97.0 | -4.90% |" in new and "chunk_prepare_kernel 69.0" in new
     assert lines.index(base) < lines.index(new)  # base first
+
+
+def test_per_kernel_times_from_graph_replays_when_present(tmp_path):
+    paths = [_write(tmp_path, "base", 1, 100.0, 70.0, 66.0), _write(tmp_path, "base", 2, 104.0, 72.0, 68.0),
+             _write(tmp_path, "old", 1, 101.0, 73.0)]  # an older JSON: the eager split
+    lines = ab_summary.summarise(ab_summary.load(paths)).splitlines()
+    assert "chunk_prepare_kernel 67.0" in next(l for l in lines if "| base |" in l)
+    assert "chunk_prepare_kernel 73.0" in next(l for l in lines if "| old |" in l)
 
 
 def test_rejects_unnamed_files(tmp_path):

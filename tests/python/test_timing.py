@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flashkda.timing import cuda_graph_times_us, memory_floor_bytes
+from flashkda.timing import cuda_graph_kernel_times_us, cuda_graph_times_us, memory_floor_bytes
 
 
 def test_memory_floor_matches_spec_table():
@@ -26,3 +26,11 @@ def test_cuda_graph_times_replays_the_captured_work():
     torch.cuda.synchronize()
     assert len(times) == 5 and all(t > 0 for t in times)
     assert x[0].item() == 1 + 1 + 2 + 5  # eager, side stream, (capture runs nothing), warm-ups, timed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_kernel_times_trace_the_replayed_kernels():
+    x = torch.zeros(1 << 20, device="cuda")
+    per = cuda_graph_kernel_times_us(lambda: x.mul_(0.5).add_(1.0), iters=4, warmup=1)
+    assert len(per) >= 1 and all(t > 0 for t in per.values()), per
