@@ -35,6 +35,7 @@
 #include <cuda_fp16.h>
 
 #include "sm90/kda_common.cuh"
+#include "sm90/kda_walk_order.h"
 #include "sm90/kda_wgmma.cuh"
 
 namespace flashkda {
@@ -120,24 +121,15 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
       // instead of possibly the last.  The out tiles are free scratch until chunk 0's end.
       int64_t* lens = reinterpret_cast<int64_t*>(smem + SM::kOut);
       int* pick = reinterpret_cast<int*>(lens + kThreads);
-      const int64_t b = blockIdx.x + static_cast<int64_t>(a.N) * blockIdx.y;
-      const int64_t rank_wanted = b / a.H;
-      h = static_cast<int>(b % a.H);
+      int64_t rank_wanted;
+      longest_first_block(blockIdx.x, blockIdx.y, a.N, a.H, &rank_wanted, &h);
       if (tid < a.N) {
         const int64_t lo = load_index(a.cu_seqlens, a.cu_int64, tid);
         const int64_t hi = load_index(a.cu_seqlens, a.cu_int64, tid + 1);
         lens[tid] = hi - lo;
       }
       __syncthreads();
-      if (tid < a.N) {
-        const int64_t li = lens[tid];
-        int rank = 0;
-        for (int j = 0; j < a.N; ++j) {
-          const int64_t lj = lens[j];
-          rank += (lj > li) || (lj == li && j < tid);
-        }
-        if (rank == rank_wanted) *pick = tid;  // ranks are a permutation of 0 .. N - 1
-      }
+      if (tid < a.N && length_rank(lens, a.N, tid) == rank_wanted) *pick = tid;  // ranks: a permutation
       __syncthreads();
       n = *pick;
     }

@@ -11,10 +11,12 @@
 // the 1024-byte alignment of every half.
 #pragma once
 
+#if !defined(FLASHKDA_HOST_DEVICE)
 #if defined(__CUDACC__)
 #define FLASHKDA_HOST_DEVICE __host__ __device__ __forceinline__
 #else
 #define FLASHKDA_HOST_DEVICE inline
+#endif
 #endif
 
 namespace flashkda {

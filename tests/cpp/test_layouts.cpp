@@ -3,12 +3,18 @@
 // it, and the properties the kernels rely on (a permutation of the tile's 16-byte pieces, whole
 // pieces per 8-row group, no bank conflict for 8 rows of one piece column); the record tiles, which
 // are SW128 images; and chunk_prepare's staging of them: no bank conflict for the mma fragment stores.
+// Also the longest-first walk order (csrc/sm90/kda_walk_order.h): every (sequence, head) once.
 #include <gtest/gtest.h>
 
+#include <cstdint>
+#include <random>
 #include <set>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "sm90/kda_sw128.h"
+#include "sm90/kda_walk_order.h"
 
 namespace {
 
@@ -138,3 +144,57 @@ TEST(SharedMemoryLayout, StagedRecordTilesAreConflictFree) {
 }
 
 }  // namespace
+
+// The walk's longest-first order: the ranks are a permutation, non-increasing in length with ties
+// by index, and the (N, H) grid's blocks take every (sequence, head) exactly once.
+TEST(WalkOrder, LongestFirstTakesEverySequenceAndHeadOnce) {
+  std::mt19937 rng(7);
+  const std::vector<std::vector<int64_t>> fixed = {{1300, 547, 2048, 963, 271, 3063},
+                                                   {64, 200, 64, 0, 200, 1, 130},
+                                                   std::vector<int64_t>(40, 5),
+                                                   {0},
+                                                   {7, 7}};
+  std::vector<std::vector<int64_t>> cases = fixed;
+  for (int k = 0; k < 20; ++k) {  // random lengths with many ties and zeros, up to the 256 threads of a block
+    std::vector<int64_t> lens(1 + rng() % 256);
+    for (auto& l : lens) l = static_cast<int64_t>(rng() % 5) * 64 + (rng() % 3);
+    cases.push_back(lens);
+  }
+  for (const auto& lens : cases) {
+    const int N = static_cast<int>(lens.size());
+    std::vector<int> seq_of_rank(N, -1);
+    for (int i = 0; i < N; ++i) {
+      const int r = flashkda::sm90::length_rank(lens.data(), N, i);
+      ASSERT_GE(r, 0);
+      ASSERT_LT(r, N);
+      ASSERT_EQ(seq_of_rank[r], -1) << "two sequences share rank " << r;
+      seq_of_rank[r] = i;
+    }
+    for (int r = 1; r < N; ++r) {
+      const int a = seq_of_rank[r - 1], b = seq_of_rank[r];
+      EXPECT_TRUE(lens[a] > lens[b] || (lens[a] == lens[b] && a < b)) << "ranks " << r - 1 << ", " << r;
+    }
+    for (int H : {1, 3, 16}) {
+      std::set<std::pair<int, int>> taken;
+      for (int64_t y = 0; y < H; ++y) {
+        for (int64_t x = 0; x < N; ++x) {
+          int64_t rank;
+          int head;
+          flashkda::sm90::longest_first_block(x, y, N, H, &rank, &head);
+          ASSERT_GE(rank, 0);
+          ASSERT_LT(rank, N);
+          ASSERT_GE(head, 0);
+          ASSERT_LT(head, H);
+          taken.insert({seq_of_rank[rank], head});
+        }
+      }
+      EXPECT_EQ(static_cast<int>(taken.size()), N * H) << "N " << N << " H " << H;
+    }
+    // The first blocks dispatched (x fastest) take the longest sequence's heads.
+    int64_t rank;
+    int head;
+    flashkda::sm90::longest_first_block(0, 0, N, 16, &rank, &head);
+    EXPECT_EQ(rank, 0);
+    EXPECT_EQ(head, 0);
+  }
+}
