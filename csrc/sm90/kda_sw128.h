@@ -11,13 +11,7 @@
 // the 1024-byte alignment of every half.
 #pragma once
 
-#if !defined(FLASHKDA_HOST_DEVICE)
-#if defined(__CUDACC__)
-#define FLASHKDA_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define FLASHKDA_HOST_DEVICE inline
-#endif
-#endif
+#include "sm90/kda_host_device.h"
 
 namespace flashkda {
 namespace sm90 {

@@ -7,13 +7,7 @@
 
 #include <cstdint>
 
-#if !defined(FLASHKDA_HOST_DEVICE)
-#if defined(__CUDACC__)
-#define FLASHKDA_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define FLASHKDA_HOST_DEVICE inline
-#endif
-#endif
+#include "sm90/kda_host_device.h"
 
 namespace flashkda {
 namespace sm90 {
