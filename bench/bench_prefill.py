@@ -24,7 +24,8 @@ import torch
 
 import flashkda
 from flashkda import reference as ref
-from flashkda.timing import cuda_graph_kernel_times_us, cuda_graph_times_us, memory_floor_bytes
+from flashkda.timing import (cuda_graph_kernel_times_us, cuda_graph_times_us, memory_floor_bytes,
+                             profiled_kernel_times_us)
 
 CASES = [
     ("8x2048, H16", [2048] * 8, 16),
@@ -165,22 +166,11 @@ def fla_fn(x):
 
 
 def kernel_times(fn, iters):
-    """Per-kernel GPU time per call (us) from the profiler, by kernel name."""
+    """Per-kernel GPU time per call (us) from the profiler over eager calls, by kernel_label."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    per = {}
-    for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            t = evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
-            name = kernel_label(evt.name)
-            per[name] = per.get(name, 0.0) + t / iters
-    return per
+    return by_label(profiled_kernel_times_us(fn, iters))
 
 
 def kernel_label(name):
@@ -193,14 +183,20 @@ def kernel_label(name):
     return label
 
 
+def by_label(per_name):
+    """Per-kernel times summed by kernel_label."""
+    per = {}
+    for name, t in per_name.items():
+        label = kernel_label(name)
+        per[label] = per.get(label, 0.0) + t
+    return per
+
+
 def kernel_times_graph(fn, iters):
     """kernel_times from the replays of a captured graph (the execution the call time measures);
     None where the profiler does not trace the graph's kernels."""
     try:
-        per = {}
-        for name, t in cuda_graph_kernel_times_us(fn, iters).items():
-            per[kernel_label(name)] = per.get(kernel_label(name), 0.0) + t
-        return per or None
+        return by_label(cuda_graph_kernel_times_us(fn, iters)) or None
     except Exception as e:  # the benchmark's other figures do not depend on it
         print(f"per-kernel times from graph replays failed: {e}")
         return None

@@ -49,20 +49,14 @@ def cuda_graph_times_us(fn: Callable[[], None], iters: int, warmup: int = 3, cal
     return times
 
 
-def cuda_graph_kernel_times_us(fn: Callable[[], None], iters: int, warmup: int = 3) -> Dict[str, float]:
-    """Per-kernel GPU time of ``fn`` per call (us, by kernel name, the mean over ``iters`` replays)
-    in the same execution as cuda_graph_times_us: the replays of one captured graph, traced by the
-    profiler.  The eager per-kernel split can differ from what the graph runs (2026-12-04: a change
-    that took 7-20 us off the graph replays left the eager split unchanged)."""
+def profiled_kernel_times_us(step: Callable[[], None], iters: int) -> Dict[str, float]:
+    """Per-kernel GPU time per ``step`` (us, by kernel name, the mean over ``iters`` steps) as the
+    profiler traces it; ``step`` is one eager call or one graph replay."""
     from torch.profiler import ProfilerActivity, profile
 
-    graph = capture_graph(fn)
-    for _ in range(warmup):
-        graph.replay()
-    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
-            graph.replay()
+            step()
         torch.cuda.synchronize()
     per: Dict[str, float] = {}
     for evt in prof.events():
@@ -70,3 +64,15 @@ def cuda_graph_kernel_times_us(fn: Callable[[], None], iters: int, warmup: int =
             t = evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
             per[evt.name] = per.get(evt.name, 0.0) + t / iters
     return per
+
+
+def cuda_graph_kernel_times_us(fn: Callable[[], None], iters: int, warmup: int = 3) -> Dict[str, float]:
+    """Per-kernel GPU time of ``fn`` per call (us, by kernel name, the mean over ``iters`` replays)
+    in the same execution as cuda_graph_times_us: the replays of one captured graph, traced by the
+    profiler.  The eager per-kernel split can differ from what the graph runs (2026-12-04: a change
+    that took 7-20 us off the graph replays left the eager split unchanged)."""
+    graph = capture_graph(fn)
+    for _ in range(warmup):
+        graph.replay()
+    torch.cuda.synchronize()
+    return profiled_kernel_times_us(graph.replay, iters)
