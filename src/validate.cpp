@@ -523,6 +523,49 @@ int64_t seq_len(const TensorRef& cu, int64_t T, int64_t n) {
   return read_index(cu, n + 1) - read_index(cu, n);
 }
 
+// The token tensors' dims and the sequence layout, as prefill and decode both read them.
+struct TokenLayout {
+  int64_t B = 0, R = 0, H = 0, K = 0, V = 0;  // R: rows of dim 1 of the token tensors
+  int64_t T = 0;                              // logical tokens (token_rows' length when given)
+  int64_t N = 0;                              // sequences
+  bool varlen = false;
+};
+
+// check_token_inputs, then token_rows and cu_seqlens (in that order).
+template <class Params>
+Status check_token_layout(const Params& p, std::initializer_list<NamedRef> others, TokenLayout* l) {
+  TokenDims d;
+  FLASHKDA_TRY(check_token_inputs(p, others, &d));
+  l->B = d.B, l->R = d.T, l->H = d.H, l->K = d.K, l->V = d.V;
+  l->N = d.B, l->T = d.T;
+  l->varlen = p.cu_seqlens.defined();
+  FLASHKDA_TRY(check_token_rows(p.token_rows, l->varlen, l->B, l->R, &l->T));
+  if (l->varlen) FLASHKDA_TRY(check_cu_seqlens(p.cu_seqlens, l->B, l->T, &l->N, p.token_rows.defined()));
+  return Status::ok_status();
+}
+
+// A per-sequence vector [N] (state_indices, has_initial_state, num_accepted_tokens).
+Status check_per_sequence(const char* name, const TensorRef& t, int64_t N,
+                          std::initializer_list<DType> dtypes) {
+  FLASHKDA_TRY(check_rank(name, t, 1, "[N]"));
+  FLASHKDA_TRY(check_dtype(name, t, dtypes));
+  FLASHKDA_TRY(check_shape(name, t, {N}, "(N)"));
+  FLASHKDA_TRY(check_contiguous(name, t));
+  return check_data(name, t);
+}
+
+// A state pool [P, H, V, K] with P >= 1 (`with`: what makes the tensor a pool, for the message).
+Status check_pool_shape(const char* name, const TensorRef& t, int64_t H, int64_t V, int64_t K,
+                        const char* with) {
+  if (t.sizes[0] < 1 || t.sizes[1] != H || t.sizes[2] != V || t.sizes[3] != K) {
+    return bad(name,
+               "shape [P, " + std::to_string(H) + ", " + std::to_string(V) + ", " + std::to_string(K) +
+                   "] (P >= 1 pool rows, H, V, K)" + with,
+               shape_str(t));
+  }
+  return Status::ok_status();
+}
+
 std::string at2(const char* name, int64_t i, int64_t j) {
   return std::string(name) + "[" + std::to_string(i) + ", " + std::to_string(j) + "]";
 }
@@ -531,8 +574,9 @@ std::string at1(const char* name, int64_t i) { return std::string(name) + "[" + 
 }  // namespace
 
 Status can_implement(const PrefillParams& p, ProblemShape* shape) {
-  TokenDims d;
-  FLASHKDA_TRY(check_token_inputs(p,
+  // ---- token tensors, then token_rows -> T (logical tokens), cu_seqlens -> N
+  TokenLayout l;
+  FLASHKDA_TRY(check_token_layout(p,
                                   {{"initial_state", &p.initial_state},
                                    {"final_state", &p.final_state},
                                    {"cu_seqlens", &p.cu_seqlens},
@@ -541,14 +585,9 @@ Status can_implement(const PrefillParams& p, ProblemShape* shape) {
                                    {"checkpoint_offsets", &p.checkpoint_offsets},
                                    {"checkpoint_state", &p.checkpoint_state},
                                    {"token_rows", &p.token_rows}},
-                                  &d));
-  const int64_t B = d.B, R = d.T, H = d.H, K = d.K, V = d.V;
-
-  // ---- token_rows -> T (logical tokens), cu_seqlens -> N
-  int64_t N = B, T = R;
-  const bool varlen = p.cu_seqlens.defined();
-  FLASHKDA_TRY(check_token_rows(p.token_rows, varlen, B, R, &T));
-  if (varlen) FLASHKDA_TRY(check_cu_seqlens(p.cu_seqlens, B, T, &N, p.token_rows.defined()));
+                                  &l));
+  const int64_t B = l.B, R = l.R, H = l.H, K = l.K, V = l.V, N = l.N, T = l.T;
+  const bool varlen = l.varlen;
 
   // ---- states
   const bool pooled = p.state_indices.defined();
@@ -562,12 +601,7 @@ Status can_implement(const PrefillParams& p, ProblemShape* shape) {
     FLASHKDA_TRY(check_rank(name, t, 4, pooled ? "[P, H, V, K]" : "[N, H, V, K]"));
     FLASHKDA_TRY(check_dtype(name, t, {DType::kFloat32, DType::kBFloat16}));
     if (pooled) {
-      if (t.sizes[0] < 1 || t.sizes[1] != H || t.sizes[2] != V || t.sizes[3] != K) {
-        return bad(name,
-                   "shape [P, " + std::to_string(H) + ", " + std::to_string(V) + ", " + std::to_string(K) +
-                       "] (P >= 1 pool rows, H, V, K) with state_indices",
-                   shape_str(t));
-      }
+      FLASHKDA_TRY(check_pool_shape(name, t, H, V, K, " with state_indices"));
     } else {
       FLASHKDA_TRY(check_shape(name, t, {N, H, V, K}, "(N, H, V, K)"));
     }
@@ -600,11 +634,7 @@ Status can_implement(const PrefillParams& p, ProblemShape* shape) {
   // ---- state_indices
   if (pooled) {
     const TensorRef& si = p.state_indices;
-    FLASHKDA_TRY(check_rank("state_indices", si, 1, "[N]"));
-    FLASHKDA_TRY(check_dtype("state_indices", si, {DType::kInt32, DType::kInt64}));
-    FLASHKDA_TRY(check_shape("state_indices", si, {N}, "(N)"));
-    FLASHKDA_TRY(check_contiguous("state_indices", si));
-    FLASHKDA_TRY(check_data("state_indices", si));
+    FLASHKDA_TRY(check_per_sequence("state_indices", si, N, {DType::kInt32, DType::kInt64}));
     if (!p.initial_state.defined() && !p.final_state.defined()) {
       return bad("state_indices", "initial_state or final_state (the state pool) to be given with it",
                  "neither");
@@ -631,12 +661,7 @@ Status can_implement(const PrefillParams& p, ProblemShape* shape) {
 
   // ---- has_initial_state
   if (p.has_initial_state.defined()) {
-    const TensorRef& hs = p.has_initial_state;
-    FLASHKDA_TRY(check_rank("has_initial_state", hs, 1, "[N]"));
-    FLASHKDA_TRY(check_dtype("has_initial_state", hs, {DType::kBool}));
-    FLASHKDA_TRY(check_shape("has_initial_state", hs, {N}, "(N)"));
-    FLASHKDA_TRY(check_contiguous("has_initial_state", hs));
-    FLASHKDA_TRY(check_data("has_initial_state", hs));
+    FLASHKDA_TRY(check_per_sequence("has_initial_state", p.has_initial_state, N, {DType::kBool}));
   }
 
   // ---- checkpoints (spec section 5)
@@ -701,33 +726,24 @@ Status can_implement(const PrefillParams& p, ProblemShape* shape) {
 }
 
 Status can_implement_decode(const DecodeParams& p, DecodeShape* shape) {
-  TokenDims d;
-  FLASHKDA_TRY(check_token_inputs(p,
+  // ---- token tensors, then token_rows -> T (logical tokens), cu_seqlens -> N
+  TokenLayout l;
+  FLASHKDA_TRY(check_token_layout(p,
                                   {{"state_pool", &p.state_pool},
                                    {"ssm_state_indices", &p.ssm_state_indices},
                                    {"num_accepted_tokens", &p.num_accepted_tokens},
                                    {"cu_seqlens", &p.cu_seqlens},
                                    {"token_rows", &p.token_rows}},
-                                  &d));
-  const int64_t B = d.B, R = d.T, H = d.H, K = d.K, V = d.V;
-
-  // ---- token_rows -> T (logical tokens), cu_seqlens -> N
-  int64_t N = B, T = R;
-  const bool varlen = p.cu_seqlens.defined();
-  FLASHKDA_TRY(check_token_rows(p.token_rows, varlen, B, R, &T));
-  if (varlen) FLASHKDA_TRY(check_cu_seqlens(p.cu_seqlens, B, T, &N, p.token_rows.defined()));
+                                  &l));
+  const int64_t B = l.B, R = l.R, H = l.H, K = l.K, V = l.V, N = l.N, T = l.T;
+  const bool varlen = l.varlen;
 
   // ---- state pool
   const TensorRef& pool = p.state_pool;
   FLASHKDA_TRY(check_given("state_pool", pool, "[P, H, V, K] float32/bfloat16"));
   FLASHKDA_TRY(check_rank("state_pool", pool, 4, "[P, H, V, K]"));
   FLASHKDA_TRY(check_dtype("state_pool", pool, {DType::kFloat32, DType::kBFloat16}));
-  if (pool.sizes[0] < 1 || pool.sizes[1] != H || pool.sizes[2] != V || pool.sizes[3] != K) {
-    return bad("state_pool",
-               "shape [P, " + std::to_string(H) + ", " + std::to_string(V) + ", " + std::to_string(K) +
-                   "] (P >= 1 pool rows, H, V, K)",
-               shape_str(pool));
-  }
+  FLASHKDA_TRY(check_pool_shape("state_pool", pool, H, V, K, ""));
   FLASHKDA_TRY(check_contiguous("state_pool", pool));
   FLASHKDA_TRY(check_data("state_pool", pool));
   const int64_t P = pool.sizes[0];
@@ -765,11 +781,7 @@ Status can_implement_decode(const DecodeParams& p, DecodeShape* shape) {
   if (spec) {
     FLASHKDA_TRY(
         check_given("num_accepted_tokens", na, "[N] int32/int64 (required with 2-D ssm_state_indices)"));
-    FLASHKDA_TRY(check_rank("num_accepted_tokens", na, 1, "[N]"));
-    FLASHKDA_TRY(check_dtype("num_accepted_tokens", na, {DType::kInt32, DType::kInt64}));
-    FLASHKDA_TRY(check_shape("num_accepted_tokens", na, {N}, "(N)"));
-    FLASHKDA_TRY(check_contiguous("num_accepted_tokens", na));
-    FLASHKDA_TRY(check_data("num_accepted_tokens", na));
+    FLASHKDA_TRY(check_per_sequence("num_accepted_tokens", na, N, {DType::kInt32, DType::kInt64}));
   } else if (na.defined()) {
     return bad("num_accepted_tokens",
                "none with 1-D ssm_state_indices (it selects the read slot of 2-D ones)",

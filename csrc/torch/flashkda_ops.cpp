@@ -311,48 +311,20 @@ void clear_device_error_cuda(const at::Tensor& workspace) {
   throw_status(flashkda::clear_device_error(workspace.data_ptr(), stream));
 }
 
-void fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-              const at::Tensor& beta, double scale, const at::Tensor& out, const at::Tensor& workspace,
-              const at::Tensor& A_log, const at::Tensor& dt_bias, double lower_bound,
-              const c10::optional<at::Tensor>& initial_state, const c10::optional<at::Tensor>& final_state,
-              const c10::optional<at::Tensor>& cu_seqlens) {
-  // A CPU q with some CUDA argument also lands here: can_implement reports the device mismatch.
-  c10::optional<c10::cuda::CUDAGuard> guard;
-  if (q.is_cuda()) guard.emplace(q.device());
-  fwd_impl(q, k, v, g, beta, scale, out, workspace, A_log, dt_bias, lower_bound, initial_state, final_state,
-           cu_seqlens);
-}
-
-void prefill_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                  const at::Tensor& beta, const at::Tensor& out, const at::Tensor& workspace, double scale,
-                  c10::string_view gate_mode, const c10::optional<at::Tensor>& A_log,
-                  const c10::optional<at::Tensor>& dt_bias, double lower_bound, bool use_qk_l2norm,
-                  bool use_beta_sigmoid, const c10::optional<at::Tensor>& initial_state,
-                  const c10::optional<at::Tensor>& final_state, const c10::optional<at::Tensor>& cu_seqlens,
-                  const c10::optional<at::Tensor>& state_indices,
-                  const c10::optional<at::Tensor>& has_initial_state,
-                  const c10::optional<at::Tensor>& checkpoint_offsets,
-                  const c10::optional<at::Tensor>& checkpoint_state,
-                  const c10::optional<at::Tensor>& token_rows) {
-  c10::optional<c10::cuda::CUDAGuard> guard;
-  if (q.is_cuda()) guard.emplace(q.device());
-  prefill_impl(q, k, v, g, beta, out, workspace, scale, gate_mode, A_log, dt_bias, lower_bound, use_qk_l2norm,
-               use_beta_sigmoid, initial_state, final_state, cu_seqlens, state_indices, has_initial_state,
-               checkpoint_offsets, checkpoint_state, token_rows);
-}
-
-void decode_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                 const at::Tensor& beta, const at::Tensor& out, const at::Tensor& state_pool,
-                 const at::Tensor& ssm_state_indices, const c10::optional<at::Tensor>& num_accepted_tokens,
-                 const c10::optional<at::Tensor>& cu_seqlens, double scale, c10::string_view gate_mode,
-                 const c10::optional<at::Tensor>& A_log, const c10::optional<at::Tensor>& dt_bias,
-                 double lower_bound, bool use_qk_l2norm, bool use_beta_sigmoid,
-                 const c10::optional<at::Tensor>& workspace, const c10::optional<at::Tensor>& token_rows) {
-  c10::optional<c10::cuda::CUDAGuard> guard;
-  if (q.is_cuda()) guard.emplace(q.device());
-  decode_impl(q, k, v, g, beta, out, state_pool, ssm_state_indices, num_accepted_tokens, cu_seqlens, scale,
-              gate_mode, A_log, dt_bias, lower_bound, use_qk_l2norm, use_beta_sigmoid, workspace, token_rows);
-}
+// The CUDA dispatch of an op: `impl` on the device of its first tensor (q).  A CPU q with some CUDA
+// argument also lands here: can_implement reports the device mismatch.  One wrapper for every op,
+// so that the CUDA entry points cannot drift from the CPU ones' signatures (torch infers each op's
+// schema from them).
+template <typename Fn, Fn* impl>
+struct OnDeviceOfQ;
+template <typename... Rest, void (*impl)(const at::Tensor&, Rest...)>
+struct OnDeviceOfQ<void(const at::Tensor&, Rest...), impl> {
+  static void call(const at::Tensor& q, Rest... rest) {
+    c10::optional<c10::cuda::CUDAGuard> guard;
+    if (q.is_cuda()) guard.emplace(q.device());
+    impl(q, rest...);
+  }
+};
 #endif
 
 bool built_with_cuda() {
@@ -401,9 +373,11 @@ TORCH_LIBRARY_IMPL(flashkda, CPU, m) {
 
 #if defined(FLASHKDA_TORCH_CUDA)
 TORCH_LIBRARY_IMPL(flashkda, CUDA, m) {
-  m.impl("fwd", &flashkda_torch::fwd_cuda);
-  m.impl("prefill", &flashkda_torch::prefill_cuda);
-  m.impl("decode", &flashkda_torch::decode_cuda);
+  using flashkda_torch::OnDeviceOfQ;
+  m.impl("fwd", &OnDeviceOfQ<decltype(flashkda_torch::fwd_impl), &flashkda_torch::fwd_impl>::call);
+  m.impl("prefill",
+         &OnDeviceOfQ<decltype(flashkda_torch::prefill_impl), &flashkda_torch::prefill_impl>::call);
+  m.impl("decode", &OnDeviceOfQ<decltype(flashkda_torch::decode_impl), &flashkda_torch::decode_impl>::call);
   m.impl("read_device_error", &flashkda_torch::read_device_error_cuda);
   m.impl("clear_device_error", &flashkda_torch::clear_device_error_cuda);
 }
