@@ -108,7 +108,62 @@ struct Options {
   double lower_bound = -5.0;
 };
 
-// The one path every op takes.
+// The token inputs and flags that prefill and decode share (PrefillParams and DecodeParams have the
+// same member names for them).
+template <class Params>
+void set_token_args(Params* p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& g, const at::Tensor& beta, const at::Tensor& out,
+                    const c10::optional<at::Tensor>& A_log, const c10::optional<at::Tensor>& dt_bias,
+                    const c10::optional<at::Tensor>& cu_seqlens, const c10::optional<at::Tensor>& token_rows,
+                    const Options& opt) {
+  p->q = to_ref(q, "q");
+  p->k = to_ref(k, "k");
+  p->v = to_ref(v, "v");
+  p->g = to_ref(g, "g");
+  p->beta = to_ref(beta, "beta");
+  p->A_log = to_ref(A_log, "A_log");
+  p->dt_bias = to_ref(dt_bias, "dt_bias");
+  p->out = to_ref(out, "out");
+  p->cu_seqlens = to_ref(cu_seqlens, "cu_seqlens");
+  p->token_rows = to_ref(token_rows, "token_rows");
+  p->gate_mode = opt.gate_mode;
+  p->use_qk_l2norm = opt.use_qk_l2norm;
+  p->use_beta_sigmoid = opt.use_beta_sigmoid;
+  p->scale = static_cast<float>(opt.scale);
+  p->lower_bound = static_cast<float>(opt.lower_bound);
+}
+
+// The caller's workspace: any dtype, contiguous, on q's device.  CPU calls need none (an undefined or
+// empty tensor gives a null pointer and 0 bytes).
+struct WorkspaceView {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+};
+WorkspaceView workspace_view(const at::Tensor& workspace, const at::Tensor& q) {
+  WorkspaceView w;
+  if (!workspace.defined() || workspace.numel() == 0) return w;
+  TORCH_CHECK_VALUE(workspace.device() == q.device(), "flashkda: argument 'workspace': expected a tensor on ",
+                    q.device(), " (the device of q), got one on ", workspace.device());
+  TORCH_CHECK_VALUE(workspace.is_contiguous(),
+                    "flashkda: argument 'workspace': expected a contiguous tensor, ", "got strides ",
+                    workspace.strides());
+  w.ptr = workspace.data_ptr();
+  w.bytes = static_cast<size_t>(workspace.numel()) * workspace.element_size();
+  return w;
+}
+
+// The current stream of q's device (null for CPU tensors).
+flashkda::Stream current_stream(const at::Tensor& q) {
+#if defined(FLASHKDA_TORCH_CUDA)
+  if (q.is_cuda()) {
+    return reinterpret_cast<flashkda::Stream>(c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
+  }
+#endif
+  (void)q;
+  return nullptr;
+}
+
+// The one path every prefill op takes.
 void run_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                  const at::Tensor& beta, const at::Tensor& out, const at::Tensor& workspace,
                  const c10::optional<at::Tensor>& A_log, const c10::optional<at::Tensor>& dt_bias,
@@ -119,55 +174,25 @@ void run_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
                  const c10::optional<at::Tensor>& checkpoint_state,
                  const c10::optional<at::Tensor>& token_rows, const Options& opt) {
   flashkda::PrefillParams p;
-  p.q = to_ref(q, "q");
-  p.k = to_ref(k, "k");
-  p.v = to_ref(v, "v");
-  p.g = to_ref(g, "g");
-  p.beta = to_ref(beta, "beta");
-  p.A_log = to_ref(A_log, "A_log");
-  p.dt_bias = to_ref(dt_bias, "dt_bias");
-  p.out = to_ref(out, "out");
+  set_token_args(&p, q, k, v, g, beta, out, A_log, dt_bias, cu_seqlens, token_rows, opt);
   p.initial_state = to_ref(initial_state, "initial_state");
   p.final_state = to_ref(final_state, "final_state");
-  p.cu_seqlens = to_ref(cu_seqlens, "cu_seqlens");
   p.state_indices = to_ref(state_indices, "state_indices");
   p.has_initial_state = to_ref(has_initial_state, "has_initial_state");
   p.checkpoint_offsets = to_ref(checkpoint_offsets, "checkpoint_offsets");
   p.checkpoint_state = to_ref(checkpoint_state, "checkpoint_state");
-  p.token_rows = to_ref(token_rows, "token_rows");
-  p.gate_mode = opt.gate_mode;
-  p.use_qk_l2norm = opt.use_qk_l2norm;
-  p.use_beta_sigmoid = opt.use_beta_sigmoid;
-  p.scale = static_cast<float>(opt.scale);
-  p.lower_bound = static_cast<float>(opt.lower_bound);
 
   flashkda::ProblemShape shape;
   throw_status(flashkda::can_implement(p, &shape));
 
-  // The workspace: any dtype, contiguous, on q's device, at least workspace_size() bytes.  CPU calls
-  // need none and may pass an empty tensor.
-  void* ws_ptr = nullptr;
-  size_t ws_bytes = 0;
-  if (workspace.defined() && workspace.numel() > 0) {
-    TORCH_CHECK_VALUE(workspace.device() == q.device(),
-                      "flashkda: argument 'workspace': expected a tensor on ", q.device(),
-                      " (the device of q), got one on ", workspace.device());
-    TORCH_CHECK_VALUE(workspace.is_contiguous(),
-                      "flashkda: argument 'workspace': expected a contiguous tensor, ", "got strides ",
-                      workspace.strides());
-    ws_ptr = workspace.data_ptr();
-    ws_bytes = static_cast<size_t>(workspace.numel()) * workspace.element_size();
-  }
-  flashkda::Stream stream = nullptr;
+  // At least workspace_size() bytes on the GPU.
+  const WorkspaceView ws = workspace_view(workspace, q);
   if (q.is_cuda()) {
     const size_t need = flashkda::workspace_size(shape.total_tokens, shape.H, shape.N, shape.K);
-    TORCH_CHECK_VALUE(ws_bytes >= need, "flashkda: argument 'workspace': expected at least ", need,
-                      " bytes on ", q.device(), " (flashkda.get_workspace_size), got ", ws_bytes, " bytes");
-#if defined(FLASHKDA_TORCH_CUDA)
-    stream = reinterpret_cast<flashkda::Stream>(c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
-#endif
+    TORCH_CHECK_VALUE(ws.bytes >= need, "flashkda: argument 'workspace': expected at least ", need,
+                      " bytes on ", q.device(), " (flashkda.get_workspace_size), got ", ws.bytes, " bytes");
   }
-  throw_status(flashkda::run(p, ws_ptr, ws_bytes, stream));
+  throw_status(flashkda::run(p, ws.ptr, ws.bytes, current_stream(q)));
 }
 
 // fwd: the fused "Kimi" configuration (bounded gate, q/k l2norm, beta sigmoid).
@@ -176,12 +201,8 @@ void fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
               const at::Tensor& A_log, const at::Tensor& dt_bias, double lower_bound,
               const c10::optional<at::Tensor>& initial_state, const c10::optional<at::Tensor>& final_state,
               const c10::optional<at::Tensor>& cu_seqlens) {
-  Options opt;
-  opt.gate_mode = flashkda::GateMode::kBounded;
-  opt.use_qk_l2norm = true;
-  opt.use_beta_sigmoid = true;
-  opt.scale = scale;
-  opt.lower_bound = lower_bound;
+  const Options opt{flashkda::GateMode::kBounded, /*use_qk_l2norm=*/true, /*use_beta_sigmoid=*/true, scale,
+                    lower_bound};
   run_prefill(q, k, v, g, beta, out, workspace, A_log, dt_bias, initial_state, final_state, cu_seqlens,
               c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt, opt);
 }
@@ -197,12 +218,7 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const c10::optional<at::Tensor>& checkpoint_offsets,
                   const c10::optional<at::Tensor>& checkpoint_state,
                   const c10::optional<at::Tensor>& token_rows) {
-  Options opt;
-  opt.gate_mode = parse_gate_mode(gate_mode);
-  opt.use_qk_l2norm = use_qk_l2norm;
-  opt.use_beta_sigmoid = use_beta_sigmoid;
-  opt.scale = scale;
-  opt.lower_bound = lower_bound;
+  const Options opt{parse_gate_mode(gate_mode), use_qk_l2norm, use_beta_sigmoid, scale, lower_bound};
   run_prefill(q, k, v, g, beta, out, workspace, A_log, dt_bias, initial_state, final_state, cu_seqlens,
               state_indices, has_initial_state, checkpoint_offsets, checkpoint_state, token_rows, opt);
 }
@@ -217,55 +233,27 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
                  const c10::optional<at::Tensor>& A_log, const c10::optional<at::Tensor>& dt_bias,
                  double lower_bound, bool use_qk_l2norm, bool use_beta_sigmoid,
                  const c10::optional<at::Tensor>& workspace, const c10::optional<at::Tensor>& token_rows) {
+  const Options opt{parse_gate_mode(gate_mode), use_qk_l2norm, use_beta_sigmoid, scale, lower_bound};
   flashkda::DecodeParams p;
-  p.q = to_ref(q, "q");
-  p.k = to_ref(k, "k");
-  p.v = to_ref(v, "v");
-  p.g = to_ref(g, "g");
-  p.beta = to_ref(beta, "beta");
-  p.A_log = to_ref(A_log, "A_log");
-  p.dt_bias = to_ref(dt_bias, "dt_bias");
-  p.out = to_ref(out, "out");
+  set_token_args(&p, q, k, v, g, beta, out, A_log, dt_bias, cu_seqlens, token_rows, opt);
   p.state_pool = to_ref(state_pool, "state_pool");
   p.ssm_state_indices = to_ref(ssm_state_indices, "ssm_state_indices");
   p.num_accepted_tokens = to_ref(num_accepted_tokens, "num_accepted_tokens");
-  p.cu_seqlens = to_ref(cu_seqlens, "cu_seqlens");
-  p.token_rows = to_ref(token_rows, "token_rows");
-  p.gate_mode = parse_gate_mode(gate_mode);
-  p.use_qk_l2norm = use_qk_l2norm;
-  p.use_beta_sigmoid = use_beta_sigmoid;
-  p.scale = static_cast<float>(scale);
-  p.lower_bound = static_cast<float>(lower_bound);
 
   throw_status(flashkda::can_implement_decode(p));
 
-  // The workspace: any dtype, contiguous, on q's device.  CPU calls need none (None or empty).
+  // The GPU needs at least workspace_size_decode() bytes (the device error word lives there).
   const bool has_ws = workspace.has_value() && workspace->defined();
-  void* ws_ptr = nullptr;
-  size_t ws_bytes = 0;
-  if (has_ws && workspace->numel() > 0) {
-    TORCH_CHECK_VALUE(workspace->device() == q.device(),
-                      "flashkda: argument 'workspace': expected a tensor on ", q.device(),
-                      " (the device of q), got one on ", workspace->device());
-    TORCH_CHECK_VALUE(workspace->is_contiguous(),
-                      "flashkda: argument 'workspace': expected a contiguous tensor, ", "got strides ",
-                      workspace->strides());
-    ws_ptr = workspace->data_ptr();
-    ws_bytes = static_cast<size_t>(workspace->numel()) * workspace->element_size();
-  }
-  flashkda::Stream stream = nullptr;
+  const WorkspaceView ws = has_ws ? workspace_view(*workspace, q) : WorkspaceView{};
   if (q.is_cuda()) {
     const size_t need = flashkda::workspace_size_decode(p);
     TORCH_CHECK_VALUE(has_ws, "flashkda: argument 'workspace': expected a uint8 tensor on ", q.device(),
                       " of at least ", need, " bytes (flashkda.get_decode_workspace_size()), got none");
-    TORCH_CHECK_VALUE(ws_bytes >= need, "flashkda: argument 'workspace': expected at least ", need,
-                      " bytes on ", q.device(), " (flashkda.get_decode_workspace_size()), got ", ws_bytes,
+    TORCH_CHECK_VALUE(ws.bytes >= need, "flashkda: argument 'workspace': expected at least ", need,
+                      " bytes on ", q.device(), " (flashkda.get_decode_workspace_size()), got ", ws.bytes,
                       " bytes");
-#if defined(FLASHKDA_TORCH_CUDA)
-    stream = reinterpret_cast<flashkda::Stream>(c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
-#endif
   }
-  throw_status(flashkda::run_decode(p, ws_ptr, ws_bytes, stream));
+  throw_status(flashkda::run_decode(p, ws.ptr, ws.bytes, current_stream(q)));
 }
 
 int64_t get_workspace_size(int64_t T_total, int64_t H, int64_t N) {
