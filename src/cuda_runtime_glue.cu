@@ -266,10 +266,7 @@ Status run_decode_cuda(const DecodeParams& p, const DecodeShape& shape, void* wo
   a.align_g = byte_align(p.g, a.g_fp32 ? 4 : 2, D);
   a.align_v = byte_align(p.v, 2, 32);  // head (D) and row-slice (32 or 64 rows) offsets
   a.align_dtb = a.dt_bias != nullptr ? byte_align(p.dt_bias, 4, D) : 16;
-  if (!aligned16(p.state_pool.data)) {
-    return Status::invalid(
-        "flashkda: argument 'state_pool': expected a 16-byte aligned data pointer, got an unaligned one");
-  }
+  // The pool's 16-byte alignment was checked by can_implement_decode.
   const bool f32 = p.state_pool.dtype == DType::kFloat32;
   // The decode kernels rewrite every error word themselves; an empty call, which launches nothing,
   // clears the header to report this call alone.

@@ -156,6 +156,13 @@ Status bad(const char* name, const std::string& expected, const std::string& got
                          got);
 }
 
+// The dtype of a given tensor as errors name it: the caller's own name for a dtype flashkda has no
+// DType for (TensorRef::other_dtype_name), else flashkda's.
+std::string given_dtype_name(const TensorRef& t) {
+  if (t.dtype == DType::kOther && t.other_dtype_name != nullptr) return t.other_dtype_name;
+  return dtype_name(t.dtype);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Building blocks.  Each returns ok or the error for argument `name`.
 
@@ -185,7 +192,7 @@ Status check_dtype(const char* name, const TensorRef& t, std::initializer_list<D
     if (i++) exp += " or ";
     exp += dtype_name(d);
   }
-  return bad(name, exp, dtype_name(t.dtype));
+  return bad(name, exp, given_dtype_name(t));
 }
 
 Status check_shape(const char* name, const TensorRef& t, std::initializer_list<int64_t> expected,
@@ -285,6 +292,14 @@ int64_t read_index2(const TensorRef& t, int64_t i, int64_t j) {
 void byte_range(const TensorRef& t, uintptr_t* lo, uintptr_t* hi) {
   *lo = reinterpret_cast<uintptr_t>(t.data);
   *hi = *lo + static_cast<uintptr_t>(t.numel()) * dtype_size(t.dtype);
+}
+
+// First and one-past-last byte a strided tensor can touch (non-negative strides, as validated).
+void extent(const TensorRef& t, uintptr_t* lo, uintptr_t* hi) {
+  int64_t last = 0;
+  for (int i = 0; i < t.ndim; ++i) last += (t.sizes[i] - 1) * t.strides[i];
+  *lo = reinterpret_cast<uintptr_t>(t.data);
+  *hi = *lo + static_cast<uintptr_t>(last + 1) * dtype_size(t.dtype);
 }
 
 bool overlaps(const TensorRef& a, const TensorRef& b) {
@@ -431,7 +446,11 @@ Status check_token_inputs(const Params& p, std::initializer_list<NamedRef> other
       return bad("lower_bound", "a finite value in [-5, 0)", float_str(lb));
     }
   }
-  if (!std::isfinite(p.scale)) return bad("scale", "a finite value (<= 0 means K^-0.5)", float_str(p.scale));
+  // Negative scales are rejected rather than replaced: the kernels bound MQK by |scale| |q| |k|, and
+  // a silent K^-0.5 for a negative value would differ from what the caller asked for.
+  if (!std::isfinite(p.scale) || p.scale < 0.0f) {
+    return bad("scale", "a finite value > 0, or 0 for K^-0.5", float_str(p.scale));
+  }
 
   d->B = B;
   d->T = T;
@@ -523,6 +542,38 @@ int64_t seq_len(const TensorRef& cu, int64_t T, int64_t n) {
   return read_index(cu, n + 1) - read_index(cu, n);
 }
 
+// CUDA launch limits that validation can see from the sizes (the kernels take B, T, H, N as int and
+// put the heads on a grid dimension of at most 65535 blocks): reported here, before anything runs,
+// rather than by the launcher after earlier kernels of the call have written.
+Status check_cuda_sizes(const TensorRef& q, int64_t B, int64_t T, int64_t H, int64_t N) {
+  if (q.device != DeviceType::kCUDA) return Status::ok_status();
+  constexpr int64_t kMaxGridY = 65535, kMaxInt = 0x7fffffff;
+  if (H > kMaxGridY) {
+    return bad("q", "at most " + std::to_string(kMaxGridY) + " heads (dim 2) on CUDA",
+               "H = " + std::to_string(H));
+  }
+  if (B > kMaxInt || T > kMaxInt || N > kMaxInt) {
+    return bad("q", "B, T and the sequence count N below 2^31 on CUDA",
+               "B = " + std::to_string(B) + ", T = " + std::to_string(T) + ", N = " + std::to_string(N));
+  }
+  return Status::ok_status();
+}
+
+// `out` must not share memory with a tensor the call writes or reads after writing out (`name`).
+// Extents are compared (first to last byte of each), so strided views that interleave without
+// sharing a byte are reported too; states and pools are contiguous, so for them this is exact.
+Status check_out_apart(const TensorRef& out, const char* name, const TensorRef& t, const char* why) {
+  if (!out.defined() || !t.defined() || out.numel() == 0 || t.numel() == 0) return Status::ok_status();
+  uintptr_t olo, ohi, tlo, thi;
+  extent(out, &olo, &ohi);
+  extent(t, &tlo, &thi);
+  if (olo < thi && tlo < ohi) {
+    return bad("out", std::string("no memory shared with ") + name + why,
+               std::string("an overlap with ") + name);
+  }
+  return Status::ok_status();
+}
+
 // The token tensors' dims and the sequence layout, as prefill and decode both read them.
 struct TokenLayout {
   int64_t B = 0, R = 0, H = 0, K = 0, V = 0;  // R: rows of dim 1 of the token tensors
@@ -588,6 +639,7 @@ Status can_implement(const PrefillParams& p, ProblemShape* shape) {
                                   &l));
   const int64_t B = l.B, R = l.R, H = l.H, K = l.K, V = l.V, N = l.N, T = l.T;
   const bool varlen = l.varlen;
+  FLASHKDA_TRY(check_cuda_sizes(p.q, B, T, H, N));
 
   // ---- states
   const bool pooled = p.state_indices.defined();
@@ -662,6 +714,10 @@ Status can_implement(const PrefillParams& p, ProblemShape* shape) {
   // ---- has_initial_state
   if (p.has_initial_state.defined()) {
     FLASHKDA_TRY(check_per_sequence("has_initial_state", p.has_initial_state, N, {DType::kBool}));
+    if (!p.initial_state.defined()) {
+      return bad("has_initial_state", "initial_state to be given with it (it selects who starts from it)",
+                 "no initial_state");
+    }
   }
 
   // ---- checkpoints (spec section 5)
@@ -710,6 +766,18 @@ Status can_implement(const PrefillParams& p, ProblemShape* shape) {
     }
   }
 
+  // ---- out apart from what the call writes besides it (and, with checkpoints, from the inputs:
+  // the checkpoint pass reads them again after out is written)
+  for (const auto& s : states) FLASHKDA_TRY(check_out_apart(p.out, s.first, *s.second, ""));
+  FLASHKDA_TRY(check_out_apart(p.out, "checkpoint_state", p.checkpoint_state, ""));
+  if (n_ckpt > 0) {
+    const NamedRef inputs[] = {{"q", &p.q}, {"k", &p.k}, {"v", &p.v}, {"g", &p.g}, {"beta", &p.beta}};
+    for (const auto& in : inputs) {
+      FLASHKDA_TRY(check_out_apart(p.out, in.first, *in.second,
+                                   " (checkpoints read the inputs after out is written)"));
+    }
+  }
+
   if (shape) {
     shape->B = B;
     shape->T = T;
@@ -737,6 +805,7 @@ Status can_implement_decode(const DecodeParams& p, DecodeShape* shape) {
                                   &l));
   const int64_t B = l.B, R = l.R, H = l.H, K = l.K, V = l.V, N = l.N, T = l.T;
   const bool varlen = l.varlen;
+  FLASHKDA_TRY(check_cuda_sizes(p.q, B, T, H, N));
 
   // ---- state pool
   const TensorRef& pool = p.state_pool;
@@ -744,8 +813,15 @@ Status can_implement_decode(const DecodeParams& p, DecodeShape* shape) {
   FLASHKDA_TRY(check_rank("state_pool", pool, 4, "[P, H, V, K]"));
   FLASHKDA_TRY(check_dtype("state_pool", pool, {DType::kFloat32, DType::kBFloat16}));
   FLASHKDA_TRY(check_pool_shape("state_pool", pool, H, V, K, ""));
+  if (pool.device == DeviceType::kCUDA && (reinterpret_cast<uintptr_t>(pool.data) & 15u) != 0) {
+    // The decode kernels move the state in 16-byte pieces.
+    return bad("state_pool", "a 16-byte aligned data pointer on CUDA",
+               "one " + std::to_string(reinterpret_cast<uintptr_t>(pool.data) & 15u) +
+                   " bytes past a 16-byte boundary");
+  }
   FLASHKDA_TRY(check_contiguous("state_pool", pool));
   FLASHKDA_TRY(check_data("state_pool", pool));
+  FLASHKDA_TRY(check_out_apart(p.out, "state_pool", pool, ""));
   const int64_t P = pool.sizes[0];
 
   // ---- ssm_state_indices: [N] or [N, S]
@@ -769,6 +845,11 @@ Status can_implement_decode(const DecodeParams& p, DecodeShape* shape) {
       }
     } else {
       FLASHKDA_TRY(check_shape("ssm_state_indices", si, {N, T}, "(N, T): one write slot per token"));
+      if (N > 0 && S < 1) {
+        return bad("ssm_state_indices",
+                   "shape [N, T] with T >= 1 (one write slot per token, the read slot among them)",
+                   shape_str(si));
+      }
     }
   } else {
     FLASHKDA_TRY(check_shape("ssm_state_indices", si, {N}, "(N)"));

@@ -130,6 +130,22 @@ __device__ inline void validate_device_inputs(const PrefillArgs& a) {
   }
 }
 
+// Pool rows of the sequences x, x + gridDim.x, ... (x < N) against every other sequence's: two
+// sequences on one row would race on it (DeviceError kStateSlotConflict; the state pass then
+// writes nothing).  Run by the head-0 blocks, each with N loads, so that no block scans all N^2 pairs
+// (block 0 alone would take O(N^2 / 256) steps: milliseconds at N = 8192).
+__device__ inline void check_state_rows_distinct(const PrefillArgs& a) {
+  for (int64_t n = blockIdx.x; n < a.N; n += gridDim.x) {
+    const int64_t mine = load_index(a.state_indices, a.idx_int64, n);
+    if (mine < 0) continue;  // padding: touches no row
+    bool dup = false;
+    for (int64_t m = threadIdx.x; m < a.N; m += blockDim.x) {
+      dup |= m != n && load_index(a.state_indices, a.idx_int64, m) == mine;
+    }
+    if (dup) atomicExch(a.error_word, static_cast<int>(DeviceError::kStateSlotConflict));
+  }
+}
+
 // Loads 8 consecutive elements (bf16) of a row as floats.
 __device__ inline void load8_bf16(const bf16* p, bool vec, float (&x)[8]) {
   if (vec) {
@@ -519,6 +535,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (blockIdx.x == 0 && blockIdx.y == 0) validate_device_inputs(a);
+  if (a.state_indices && blockIdx.y == 0) check_state_rows_distinct(a);
 
   int64_t n, c;
   if (!slot_to_chunk_block(a, blockIdx.x, &n, &c)) return;

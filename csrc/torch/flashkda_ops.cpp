@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "flashkda/decode.h"
 #include "flashkda/flashkda.h"
@@ -52,6 +53,26 @@ DType to_dtype(c10::ScalarType t) {
   }
 }
 
+// torch's name of a dtype ("int16", "float8_e4m3fn"), as a string that outlives the call (errors
+// name the dtype a caller gave when flashkda has no DType for it).
+const char* torch_dtype_name(c10::ScalarType t) {
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> v;
+    for (int i = 0; i < static_cast<int>(c10::ScalarType::NumOptions); ++i) {
+      const auto t = static_cast<c10::ScalarType>(i);
+      try {
+        v.push_back(c10::getDtypeNames(t).first);
+      } catch (const c10::Error&) {  // a dtype torch has no Python name for
+        v.push_back(c10::toString(t));
+      }
+    }
+    return v;
+  }();
+  const int i = static_cast<int>(t);
+  return i >= 0 && i < static_cast<int>(names.size()) && !names[i].empty() ? names[i].c_str()
+                                                                           : c10::toString(t);
+}
+
 // Describes `t` (named `name` in errors).  A tensor the TensorRef cannot describe at all (rank
 // above kMaxRank, a device other than CPU/CUDA) is reported here; everything else is judged by
 // flashkda::can_implement.
@@ -64,6 +85,7 @@ TensorRef to_ref(const at::Tensor& t, const char* name) {
                     "': expected a CPU or CUDA tensor, got one on ", t.device());
   r.data = t.numel() > 0 ? t.data_ptr() : nullptr;
   r.dtype = to_dtype(t.scalar_type());
+  if (r.dtype == DType::kOther) r.other_dtype_name = torch_dtype_name(t.scalar_type());
   r.ndim = static_cast<int>(t.dim());
   for (int i = 0; i < r.ndim; ++i) {
     r.sizes[i] = t.size(i);

@@ -37,9 +37,13 @@
 //   request and read by another (a read/write race).
 //
 // CUDA tensors: the sm90 decode kernel, on `stream`, no allocation, no host synchronisation
-// (graph-capturable).  It checks the index values itself: on a bad one it writes nothing and
-// records a DeviceError in the workspace (kBadCuSeqlens, kBadStateIndex, kBadTokenRow,
-// kBadAcceptedCount, kStateSlotConflict; read_device_error()).
+// (graph-capturable).  It checks the index values itself and records a DeviceError in the workspace
+// (kBadCuSeqlens, kBadStateIndex, kBadTokenRow, kBadAcceptedCount, kStateSlotConflict;
+// read_device_error()).  The check is per request, inside the one kernel (a whole-call check
+// would need a pass over every request before the first write): a request with a bad value writes
+// nothing (its output rows and pool rows stay as they were) while the other requests run; for a
+// pool-row conflict the error is recorded and the rows involved are the caller's to discard.  Host
+// (CPU) tensors are checked whole before anything is written.
 #pragma once
 
 #include <cstddef>
@@ -62,7 +66,7 @@ struct DecodeParams {
   GateMode gate_mode = GateMode::kBounded;
   bool use_qk_l2norm = true;
   bool use_beta_sigmoid = true;
-  float scale = 0.0f;  // 0 or negative: K^-0.5
+  float scale = 0.0f;  // > 0, or 0 for K^-0.5 (negative values are rejected)
   float lower_bound = -5.0f;
 };
 

@@ -46,6 +46,9 @@ struct TensorRef {
   int64_t strides[kMaxRank] = {0, 0, 0, 0, 0};  // in elements
   DeviceType device = DeviceType::kCPU;
   int device_index = 0;
+  // With dtype kOther: the caller's name for the dtype (a static string, e.g. "int16"), so that an
+  // error can say what was given rather than "other".  Optional.
+  const char* other_dtype_name = nullptr;
 
   bool defined() const { return ndim >= 0; }
   int64_t numel() const;
@@ -101,7 +104,7 @@ struct PrefillParams {
   GateMode gate_mode = GateMode::kBounded;
   bool use_qk_l2norm = true;
   bool use_beta_sigmoid = true;
-  float scale = 0.0f;  // 0 or negative: K^-0.5
+  float scale = 0.0f;  // > 0, or 0 for K^-0.5 (negative values are rejected)
   float lower_bound = -5.0f;
 };
 
@@ -144,8 +147,10 @@ Status can_implement(const PrefillParams& p, ProblemShape* shape = nullptr);
 // Runs the prefill.  CPU tensors: the reference (float64 accumulation).  CUDA tensors: the sm90
 // kernels on `stream`, no allocation, no host synchronisation (graph-capturable).  For CUDA tensors
 // the values of cu_seqlens / state_indices / token_rows / checkpoint_offsets are validated on the
-// device: on a bad value the kernel writes nothing and records an error code in the workspace (read
-// it with read_device_error()).
+// device (ranges, order, and no pool row shared by two sequences): on a bad value the kernels write
+// nothing and record an error code in the workspace (read it with read_device_error()).  Not
+// checked on the device: that token_rows values are distinct (the caller's contract on CUDA; two
+// tokens on one row race on its output).
 Status run(const PrefillParams& p, void* workspace, size_t workspace_bytes, Stream stream = nullptr);
 
 // Device-side input errors recorded by the last run() that used this workspace.
@@ -156,7 +161,8 @@ enum class DeviceError : int32_t {
   kBadTokenRow = 3,          // token_rows value out of [0, rows)
   kBadCheckpointOffset = 4,  // checkpoint_offsets outside [0, length] or decreasing along a row
   kBadAcceptedCount = 5,     // num_accepted_tokens outside [1, S]
-  kStateSlotConflict = 6,    // a pool row written twice, or written by one request and read by another
+  kStateSlotConflict = 6,    // a pool row written twice (two sequences / requests on it), or written
+                             // by one decode request and read by another
 };
 const char* device_error_name(DeviceError e);
 // Synchronises `stream` and reads the error header (the first 4096 bytes of the workspace: 1024

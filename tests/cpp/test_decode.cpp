@@ -622,6 +622,31 @@ TEST_F(DecodeValidation, StatePool) {
             "flashkda: argument 'state_pool': expected device cpu:0 (that of q), got cuda:0");
 }
 
+TEST_F(DecodeValidation, OutSharingMemoryWithThePool) {
+  DecodeParams d = valid_spec();
+  d.out = make_tensor_ref(reinterpret_cast<uint16_t*>(pool.data()) + 8, DType::kBFloat16, {N, T, H, D});
+  expect_invalid(d, "out");
+  EXPECT_EQ(
+      can_implement_decode(d).message,
+      "flashkda: argument 'out': expected no memory shared with state_pool, got an overlap with state_pool");
+}
+
+TEST_F(DecodeValidation, SpecWithoutTokensNeedsWriteSlots) {
+  // Fixed layout, T = 0 tokens, 2-D indices [N, 0]: no slot to read from, reported as the index
+  // shape (not as an impossible accepted-count range).
+  DecodeParams d = valid_spec();
+  d.q = make_tensor_ref(tk.q.data(), DType::kBFloat16, {N, 0, H, D});
+  d.k = make_tensor_ref(tk.k.data(), DType::kBFloat16, {N, 0, H, D});
+  d.v = make_tensor_ref(tk.v.data(), DType::kBFloat16, {N, 0, H, D});
+  d.g = make_tensor_ref(tk.g.data(), DType::kBFloat16, {N, 0, H, D});
+  d.beta = make_tensor_ref(tk.beta.data(), DType::kBFloat16, {N, 0, H});
+  d.out = make_tensor_ref(tk.out.data(), DType::kBFloat16, {N, 0, H, D});
+  d.ssm_state_indices = make_tensor_ref(idx.data(), DType::kInt32, {N, 0});
+  expect_invalid(d, "ssm_state_indices");
+  EXPECT_NE(can_implement_decode(d).message.find("T >= 1"), std::string::npos)
+      << can_implement_decode(d).message;
+}
+
 TEST_F(DecodeValidation, VarlenTokenCountAboveSlots) {
   cu[1] = cu[2] = cu[3] = 3;  // request 0 has 3 tokens but only S = 2 write slots
   expect_invalid(valid_varlen_spec(), "ssm_state_indices");
@@ -885,6 +910,24 @@ TEST_F(CheckpointValidation, ShapesDtypesAndPairs) {
   p = c.params();
   p.checkpoint_state.device = DeviceType::kCUDA;
   expect_invalid(p, "checkpoint_state");
+}
+
+TEST_F(CheckpointValidation, OutApartFromCheckpointsAndInputs) {
+  // out over checkpoint_state's buffer, and (checkpoints read the inputs after out is written) over k.
+  PrefillParams p = c.params();
+  p.out.data = c.ckpt.data();
+  expect_invalid(p, "out");
+  p = c.params();
+  p.out.data = p.k.data;
+  expect_invalid(p, "out");
+  EXPECT_EQ(
+      can_implement(p).message,
+      "flashkda: argument 'out': expected no memory shared with k (checkpoints read the inputs after out is "
+      "written), got an overlap with k");
+  // Without checkpoints, out may share memory with the inputs (they are read before it is written).
+  p.checkpoint_offsets = TensorRef();
+  p.checkpoint_state = TensorRef();
+  EXPECT_TRUE(can_implement(p).ok()) << can_implement(p).message;
 }
 
 TEST_F(CheckpointValidation, CudaOffsetValuesAreLeftToTheKernel) {

@@ -807,7 +807,7 @@ TEST(PrefillReference, ExplicitScaleEqualsDefault) {
   for (size_t i = 0; i < pr.out.size(); ++i) same += pr.out[i] == out_default[i];
   EXPECT_GE(same, pr.out.size() * 99 / 100);
   pr.poison();
-  p.scale = -1.0f;  // negative: the default
+  p.scale = 0.0f;  // 0: the default
   run_ok(p);
   EXPECT_EQ(pr.out, out_default);
   pr.poison();

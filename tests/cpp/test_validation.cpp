@@ -222,7 +222,7 @@ TEST_F(Validation, ValidVariants) {
     p.has_initial_state = make_tensor_ref(has, DType::kBool, {2});
     EXPECT_TRUE(can_implement(p).ok());
     p = valid();
-    p.scale = -1.0f;
+    p.scale = 0.0f;  // K^-0.5
     p.lower_bound = -5.0f;
     EXPECT_TRUE(can_implement(p).ok());
     p.scale = 0.25f;
@@ -270,6 +270,13 @@ TEST_F(Validation, WrongDtypeQ) {
   p.q.dtype = DType::kFloat32;
   expect_invalid(p, "q");
   EXPECT_EQ(can_implement(p).message, "flashkda: argument 'q': expected dtype bfloat16, got float32");
+  // A dtype flashkda has no name for is reported by the caller's name for it.
+  p.q.dtype = DType::kOther;
+  p.q.other_dtype_name = "int16";
+  expect_invalid(p, "q");
+  EXPECT_EQ(can_implement(p).message, "flashkda: argument 'q': expected dtype bfloat16, got int16");
+  p.q.other_dtype_name = nullptr;
+  EXPECT_EQ(can_implement(p).message, "flashkda: argument 'q': expected dtype bfloat16, got other");
 }
 
 TEST_F(Validation, WrongRankK) {
@@ -405,12 +412,19 @@ TEST_F(Validation, LowerBoundOutOfRange) {
   EXPECT_TRUE(can_implement(p).ok());
 }
 
-TEST_F(Validation, ScaleNotFinite) {
+TEST_F(Validation, ScaleNotFiniteOrNegative) {
   PrefillParams p = valid();
   p.scale = std::numeric_limits<float>::infinity();
   expect_invalid(p, "scale");
   p.scale = std::numeric_limits<float>::quiet_NaN();
   expect_invalid(p, "scale");
+  // A negative scale is refused, not silently replaced by K^-0.5 (0 is the way to ask for that).
+  p.scale = -0.125f;
+  expect_invalid(p, "scale");
+  EXPECT_EQ(can_implement(p).message,
+            "flashkda: argument 'scale': expected a finite value > 0, or 0 for K^-0.5, got -0.125");
+  p.scale = 0.0f;
+  EXPECT_TRUE(can_implement(p).ok());
 }
 
 TEST_F(Validation, BadGateMode) {
@@ -550,6 +564,33 @@ TEST_F(Validation, HasInitialStateWrongDtypeOrShape) {
   bool has[3] = {true, true, true};
   p.has_initial_state = make_tensor_ref(has, DType::kBool, {3});
   expect_invalid(p, "has_initial_state");
+}
+
+TEST_F(Validation, HasInitialStateWithoutInitialState) {
+  PrefillParams p = valid();
+  p.initial_state = TensorRef();
+  bool has[2] = {true, true};
+  p.has_initial_state = make_tensor_ref(has, DType::kBool, {2});
+  expect_invalid(p, "has_initial_state");
+}
+
+TEST_F(Validation, OutSharingMemoryWithAState) {
+  PrefillParams p = valid();
+  // out over final_state's buffer (states), and over initial_state's (h0): rejected, naming out.
+  p.out = make_tensor_ref(reinterpret_cast<uint16_t*>(states.data()) + 64, DType::kBFloat16, {B, T, H, D});
+  expect_invalid(p, "out");
+  EXPECT_EQ(can_implement(p).message,
+            "flashkda: argument 'out': expected no memory shared with final_state, got an overlap with "
+            "final_state");
+  p = valid();
+  p.out = make_tensor_ref(reinterpret_cast<uint16_t*>(h0.data()), DType::kBFloat16, {B, T, H, D});
+  expect_invalid(p, "out");
+  // A strided out whose last row ends before the state starts is apart from it.
+  p = valid();
+  p.final_state = make_tensor_ref(states.data() + B * T * H * D, DType::kFloat32, {B, H, D, D});
+  p.out = make_strided_tensor_ref(reinterpret_cast<uint16_t*>(states.data()), DType::kBFloat16, {B, T, H, D},
+                                  {T * H * D, H * D, D, 1});
+  EXPECT_TRUE(can_implement(p).ok()) << can_implement(p).message;
 }
 
 TEST_F(Validation, MixedDevices) {

@@ -302,9 +302,51 @@ def test_device_side_validation():
     assert flashkda.read_device_error(ws) == 2
     assert torch.isnan(out.float()).all() and torch.count_nonzero(pool) == 0
     flashkda.clear_device_error(ws)
+    # Two sequences on one pool row would race on it: kStateSlotConflict (6), nothing written.
+    pool = torch.zeros(3, 4, 128, 128, device=DEV)
+    run(dict(inp, initial_state=pool), out, pool, workspace=ws,
+        state_indices=torch.tensor([1, 1], dtype=torch.int64, device=DEV))
+    assert flashkda.read_device_error(ws) == 6
+    assert torch.isnan(out.float()).all() and torch.count_nonzero(pool) == 0
+    flashkda.clear_device_error(ws)
+    run(dict(inp, initial_state=pool), out, pool, workspace=ws,  # padding (-1) may repeat
+        state_indices=torch.tensor([-1, -1], dtype=torch.int32, device=DEV))
+    assert flashkda.read_device_error(ws) == 0
     run(inp, out, fs, workspace=ws)  # a good call afterwards works
     assert flashkda.read_device_error(ws) == 0
     assert torch.isfinite(out.float()).all()
+
+
+def test_state_rows_distinct_many_sequences(gen):
+    """The duplicate-row check is spread over the head-0 blocks (sequence x in block x): a
+    duplicate between the first and the last of 300 sequences is found, distinct rows pass."""
+    lens = [1 + (7 * n) % 13 for n in range(300)]
+    inp = make_inputs(lens, H=2, D=64, device=DEV, generator=gen)
+    out, _ = poisoned_outputs(inp)
+    ws = flashkda.new_workspace(inp["q"], inp["cu_seqlens"])
+    pool = torch.zeros(310, 2, 64, 64, device=DEV)
+    idx = torch.arange(300, dtype=torch.int32, device=DEV)
+    run(dict(inp, initial_state=pool), out, pool, workspace=ws, state_indices=idx)
+    assert flashkda.read_device_error(ws) == 0
+    idx[299] = idx[0]
+    out.fill_(float("nan"))
+    before = pool.clone()
+    run(dict(inp, initial_state=pool), out, pool, workspace=ws, state_indices=idx)
+    assert flashkda.read_device_error(ws) == 6
+    assert torch.isnan(out.float()).all() and torch.equal(pool, before)
+
+
+def test_cuda_size_limits_are_argument_errors():
+    """More heads than one grid dimension holds is reported by validation (naming q), before any
+    kernel runs, not by the launcher after earlier kernels of the call have written."""
+    H, D = 65536, 64
+    z = lambda *shape: torch.zeros(*shape, dtype=BF16, device=DEV)  # noqa: E731
+    q = z(1, 1, H, D)
+    out = torch.full((1, 1, H, D), float("nan"), dtype=BF16, device=DEV)
+    with pytest.raises(ValueError, match=r"argument 'q': expected at most 65535 heads"):
+        torch.ops.flashkda.prefill(q, q, q, q, z(1, 1, H), out, torch.empty(4096, dtype=torch.uint8, device=DEV),
+                                   A_log=torch.zeros(H, device=DEV), dt_bias=torch.zeros(H, D, device=DEV))
+    assert torch.isnan(out.float()).all()
 
 
 def test_workspace_too_small():

@@ -223,6 +223,17 @@ def test_plain_decode_scale(gen):
     check_pool(gen, pool, before, ref_pool, SPEC_STATE)
 
 
+def test_misaligned_pool_is_an_argument_error(gen):
+    """The decode kernels move states in 16-byte pieces: a pool 4 bytes off is refused by validation."""
+    inp = tokens(gen, N=2, T=1, H=4, D=64)
+    pool = torch.zeros(3 * 4 * 64 * 64 + 1, device=DEV)[1:].view(3, 4, 64, 64)
+    out = torch.full(inp["v"].shape, NAN, dtype=BF16, device=DEV)
+    with pytest.raises(ValueError, match=r"argument 'state_pool': expected a 16-byte aligned data pointer"):
+        flashkda.decode(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool,
+                        torch.tensor([0, 1], device=DEV), out, **gate_kwargs(inp), **CUDA_BACKEND)
+    assert torch.isnan(out.float()).all() and torch.count_nonzero(pool) == 0
+
+
 @pytest.mark.parametrize("state_dtype", [FP32, BF16], ids=["fp32", "bf16"])
 def test_plain_decode_fp32_gate_and_beta(gen, state_dtype):
     inp = tokens(gen, N=7, T=1, H=16, D=128, g_dtype=FP32, beta_dtype=FP32)
