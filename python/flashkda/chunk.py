@@ -36,7 +36,7 @@ import torch
 
 from . import reference as _reference
 from .backend import Selection, fla_function, select_backend
-from .ops import _op_options, new_workspace
+from .ops import _new_out, _op_options, new_workspace
 
 __all__ = ["chunk_kda", "explain"]
 
@@ -259,7 +259,7 @@ def _flashkda_chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_sta
             ht.copy_(ref_fs)
     else:
         q, k, v, g, beta = (_rows_contiguous(t) for t in (q, k, v, g, beta))
-        out = torch.empty(v.shape, dtype=torch.bfloat16, device=q.device)
+        out = _new_out(q, v)
         workspace = new_workspace(q, cu_seqlens)
         torch.ops.flashkda.prefill(
             q, k, v, g, beta, out, workspace,
