@@ -162,36 +162,9 @@ class Fla:
                  use_beta_sigmoid_in_kernel=True, lower_bound=LOWER_BOUND, out=self.out)
 
 
-def _capture(fn):
-    """fn captured into a CUDA graph the way flashkda.timing.cuda_graph_times_us does."""
-    fn()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
 def cold_graph_times_us(fn, iters, flush, warmup=3):
     """Like cuda_graph_times_us, but L2 is flushed (a write of `flush`) before each timed replay."""
-    graph = _capture(fn)
-    for _ in range(warmup):
-        graph.replay()
-    times = []
-    for _ in range(iters):
-        flush.zero_()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e3)
-    return times
+    return cuda_graph_times_us(fn, iters, warmup, before_replay=flush.zero_)
 
 
 # Calls captured back to back in one graph (a serving step runs one decode per layer): amortises the

@@ -36,7 +36,7 @@ import torch
 
 from . import reference as _reference
 from .backend import Selection, fla_function, select_backend
-from .ops import new_workspace
+from .ops import _new_out, _op_options, new_workspace
 
 __all__ = ["chunk_kda", "explain"]
 
@@ -259,17 +259,11 @@ def _flashkda_chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_sta
             ht.copy_(ref_fs)
     else:
         q, k, v, g, beta = (_rows_contiguous(t) for t in (q, k, v, g, beta))
-        out = torch.empty(v.shape, dtype=torch.bfloat16, device=q.device)
+        out = _new_out(q, v)
         workspace = new_workspace(q, cu_seqlens)
         torch.ops.flashkda.prefill(
             q, k, v, g, beta, out, workspace,
-            scale=0.0 if scale is None else float(scale),
-            gate_mode=gate_mode,
-            A_log=A_log_t,
-            dt_bias=dt_bias_t,
-            lower_bound=lb,
-            use_qk_l2norm=bool(use_qk_l2norm_in_kernel),
-            use_beta_sigmoid=use_beta_sigmoid,
+            **_op_options(scale, gate_mode, A_log_t, dt_bias_t, lb, use_qk_l2norm_in_kernel, use_beta_sigmoid),
             initial_state=h0,
             final_state=ht,
             cu_seqlens=cu_seqlens,

@@ -45,7 +45,7 @@ import torch
 
 from . import reference as _reference
 from .backend import Selection, fla_function, select_backend
-from .ops import _check_no_grad, new_decode_workspace
+from .ops import _check_no_grad, _new_out, _op_options, new_decode_workspace
 
 __all__ = ["decode", "explain_decode"]
 
@@ -108,7 +108,7 @@ def decode(
         raise sel.error()
     _check_no_grad("decode", q, k, v, g, beta, A_log, dt_bias, state_pool)
     if out is None:
-        out = torch.empty(v.shape, dtype=torch.bfloat16, device=q.device)
+        out = _new_out(q, v)
     opts = dict(num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens, scale=scale, gate_mode=gate_mode,
                 A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm,
                 use_beta_sigmoid=use_beta_sigmoid, token_rows=token_rows)
@@ -124,13 +124,7 @@ def decode(
         q, k, v, g, beta, out, state_pool, ssm_state_indices,
         num_accepted_tokens=num_accepted_tokens,
         cu_seqlens=cu_seqlens,
-        scale=0.0 if scale is None else float(scale),
-        gate_mode=gate_mode,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        lower_bound=float(lower_bound),
-        use_qk_l2norm=bool(use_qk_l2norm),
-        use_beta_sigmoid=bool(use_beta_sigmoid),
+        **_op_options(scale, gate_mode, A_log, dt_bias, lower_bound, use_qk_l2norm, use_beta_sigmoid),
         workspace=workspace,
         token_rows=token_rows,
     )

@@ -22,7 +22,7 @@ given and return ``out``.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 
@@ -139,6 +139,15 @@ def _new_out(q: Tensor, v: Tensor) -> Tensor:
     return torch.empty(v.shape, dtype=torch.bfloat16, device=q.device)
 
 
+def _op_options(scale: Optional[float], gate_mode: str, A_log: Optional[Tensor], dt_bias: Optional[Tensor],
+                lower_bound: float, use_qk_l2norm: bool, use_beta_sigmoid: bool) -> Dict:
+    """The gate and flag keywords the prefill and decode ops share, in the types of their schemas
+    (``scale=None``: 0.0, which the ops read as ``K ** -0.5``)."""
+    return dict(scale=0.0 if scale is None else float(scale), gate_mode=gate_mode, A_log=A_log, dt_bias=dt_bias,
+                lower_bound=float(lower_bound), use_qk_l2norm=bool(use_qk_l2norm),
+                use_beta_sigmoid=bool(use_beta_sigmoid))
+
+
 def fwd(
     q: Tensor,
     k: Tensor,
@@ -230,13 +239,7 @@ def prefill(
         workspace = new_workspace(q, cu_seqlens, token_rows)
     torch.ops.flashkda.prefill(
         q, k, v, g, beta, out, workspace,
-        scale=0.0 if scale is None else float(scale),
-        gate_mode=gate_mode,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        lower_bound=float(lower_bound),
-        use_qk_l2norm=bool(use_qk_l2norm),
-        use_beta_sigmoid=bool(use_beta_sigmoid),
+        **_op_options(scale, gate_mode, A_log, dt_bias, lower_bound, use_qk_l2norm, use_beta_sigmoid),
         initial_state=initial_state,
         final_state=final_state,
         cu_seqlens=cu_seqlens,

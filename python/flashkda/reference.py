@@ -99,8 +99,10 @@ def recurrent(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, scale: floa
 
 def _preprocess(q, k, v, g, beta, scale, gate_mode, A_log, dt_bias, lower_bound, use_qk_l2norm,
                 use_beta_sigmoid, device):
-    """Spec section 2's per-token preprocessing in float64, tokens flattened to ``B * T``: returns
-    ``(scale, q, k, v, a, b)`` with q, k, a ``[B*T, H, K]``, v ``[B*T, H, V]``, b ``[B*T, H]``."""
+    """Spec section 2's per-token preprocessing in float64, tokens flattened to ``B * T``, on ``device``
+    (None: q's): returns ``(device, scale, q, k, v, a, b)`` with q, k, a ``[B*T, H, K]``, v ``[B*T, H, V]``,
+    b ``[B*T, H]``."""
+    device = torch.device(device) if device is not None else q.device
     B, T, H, K = q.shape
     Vd = v.shape[-1]
     if scale is None or scale <= 0:
@@ -114,7 +116,7 @@ def _preprocess(q, k, v, g, beta, scale, gate_mode, A_log, dt_bias, lower_bound,
         qf, kf = l2norm(qf), l2norm(kf)
     af = gate_log_decay(g.to(device).reshape(B * T, H, K), gate_mode, A_log, dt_bias, lower_bound)
     bf = beta_activation(beta.to(device).reshape(B * T, H), use_beta_sigmoid)
-    return scale, qf, kf, vf, af, bf
+    return device, scale, qf, kf, vf, af, bf
 
 
 def _seq_bounds(B: int, T: int, cu_seqlens: Optional[Tensor]):
@@ -124,6 +126,19 @@ def _seq_bounds(B: int, T: int, cu_seqlens: Optional[Tensor]):
     if B != 1:
         raise ValueError(f"with cu_seqlens the batch must be 1, got {B}")
     return [(cu[n], cu[n + 1] - cu[n]) for n in range(len(cu) - 1)]
+
+
+def _padded_tokens(seqs, L: int, device, live: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """The sequences ``seqs`` ((start, length) pairs) padded to ``L`` tokens: ``active [N, L]`` (token t
+    of sequence n exists and, with ``live [N]``, the sequence is live) and the flat index of each active
+    token (0 elsewhere, a valid row to gather from)."""
+    starts = torch.tensor([s for s, _ in seqs], dtype=torch.long, device=device)
+    lens = torch.tensor([n for _, n in seqs], dtype=torch.long, device=device)
+    pos = torch.arange(L, device=device)
+    active = pos[None, :] < lens[:, None]
+    if live is not None:
+        active = active & live[:, None]
+    return active, torch.where(active, starts[:, None] + pos[None, :], torch.zeros_like(active, dtype=torch.long))
 
 
 @torch.no_grad()
@@ -155,20 +170,14 @@ def prefill(
     ``final`` is zero).  Use :func:`update_state_pool` to get the pool after the call.
     ``has_initial_state[n] == False`` starts sequence n from zeros.
     """
-    device = torch.device(device) if device is not None else q.device
+    device, scale, qf, kf, vf, af, bf = _preprocess(q, k, v, g, beta, scale, gate_mode, A_log, dt_bias,
+                                                    lower_bound, use_qk_l2norm, use_beta_sigmoid, device)
     B, T, H, K = q.shape
     Vd = v.shape[-1]
-    scale, qf, kf, vf, af, bf = _preprocess(q, k, v, g, beta, scale, gate_mode, A_log, dt_bias, lower_bound,
-                                            use_qk_l2norm, use_beta_sigmoid, device)
 
     seqs = _seq_bounds(B, T, cu_seqlens)
     N = len(seqs)
-    L = max([n for _, n in seqs] + [0])
-    starts = torch.tensor([s for s, _ in seqs], dtype=torch.long, device=device)
-    lens = torch.tensor([n for _, n in seqs], dtype=torch.long, device=device)
-    pos = torch.arange(L, device=device)
-    active = pos[None, :] < lens[:, None]  # [N, L]
-    idx = torch.where(active, starts[:, None] + pos[None, :], torch.zeros_like(active, dtype=torch.long))
+    active, idx = _padded_tokens(seqs, max([n for _, n in seqs] + [0]), device)  # [N, L]
 
     idx_list = None
     if state_indices is not None:
@@ -229,11 +238,10 @@ def decode(
     request: zero output, nothing read or written.  Every read sees the pool as it was before the
     call.  ``pool`` is a float64 copy of ``state_pool`` with those writes applied.
     """
-    device = torch.device(device) if device is not None else q.device
+    device, scale, qf, kf, vf, af, bf = _preprocess(q, k, v, g, beta, scale, gate_mode, A_log, dt_bias,
+                                                    lower_bound, use_qk_l2norm, use_beta_sigmoid, device)
     B, T, H, K = q.shape
     Vd = v.shape[-1]
-    scale, qf, kf, vf, af, bf = _preprocess(q, k, v, g, beta, scale, gate_mode, A_log, dt_bias, lower_bound,
-                                            use_qk_l2norm, use_beta_sigmoid, device)
 
     seqs = _seq_bounds(B, T, cu_seqlens)
     N = len(seqs)
@@ -255,11 +263,7 @@ def decode(
 
     # All requests at once, padded to the longest (as in prefill), one token per step.
     L = max(n for _, n in seqs)
-    starts = torch.tensor([s for s, _ in seqs], dtype=torch.long, device=device)
-    lens = torch.tensor([n for _, n in seqs], dtype=torch.long, device=device)
-    pos = torch.arange(L, device=device)
-    active = (pos[None, :] < lens[:, None]) & live[:, None]  # [N, L]
-    tok = torch.where(active, starts[:, None] + pos[None, :], torch.zeros_like(active, dtype=torch.long))
+    active, tok = _padded_tokens(seqs, L, device, live)  # [N, L]
     S = torch.zeros(N, H, Vd, K, dtype=torch.float64, device=device)
     S[live] = before[read[live]]
     o = torch.zeros(N, L, H, Vd, dtype=torch.float64, device=device)

@@ -50,7 +50,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .ops import _check_no_grad, get_decode_workspace_size, get_workspace_size, read_device_error
+from .ops import _check_no_grad, _op_options, get_decode_workspace_size, get_workspace_size, read_device_error
 
 __all__ = [
     "PrefillGroup",
@@ -254,9 +254,7 @@ def kda_step(
             if grp is None:
                 torch.ops.flashkda.clear_device_error(ws)
 
-    opts = dict(scale=0.0 if scale is None else float(scale), gate_mode=gate_mode, A_log=A_log, dt_bias=dt_bias,
-                lower_bound=float(lower_bound), use_qk_l2norm=bool(use_qk_l2norm),
-                use_beta_sigmoid=bool(use_beta_sigmoid))
+    opts = _op_options(scale, gate_mode, A_log, dt_bias, lower_bound, use_qk_l2norm, use_beta_sigmoid)
 
     if prefill is not None:
         torch.ops.flashkda.prefill(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -30,16 +30,20 @@ def capture_graph(fn: Callable[[], None], calls_per_graph: int = 1) -> "torch.cu
     return graph
 
 
-def cuda_graph_times_us(fn: Callable[[], None], iters: int, warmup: int = 3, calls_per_graph: int = 1) -> List[float]:
+def cuda_graph_times_us(fn: Callable[[], None], iters: int, warmup: int = 3, calls_per_graph: int = 1,
+                        before_replay: Optional[Callable[[], None]] = None) -> List[float]:
     """GPU time of ``fn`` per call (us): ``fn`` is captured into a CUDA graph (capture_graph)
     ``calls_per_graph`` times back to back, each replay is timed with events and divided by
     ``calls_per_graph``.  Several calls per graph amortise the graph launch latency (several us) for
-    short calls, as in an engine's per-step graph."""
+    short calls, as in an engine's per-step graph.  ``before_replay`` (if given) runs before each timed
+    replay, outside the timed events (the benchmark's L2 flush for cold-cache times)."""
     graph = capture_graph(fn, calls_per_graph)
     for _ in range(warmup):
         graph.replay()
     times = []
     for _ in range(iters):
+        if before_replay is not None:
+            before_replay()
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()

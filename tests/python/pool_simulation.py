@@ -13,31 +13,7 @@ import torch
 import flashkda
 from flashkda import reference as R
 from kda_helpers import BF16, make_inputs, rel_err
-
-T_SPEC = 4  # 1 + 3 drafts: the pool rows each request owns
-NAN = float("nan")
-
-
-class Request:
-    def __init__(self, rid, rows):
-        self.rid = rid
-        self.rows = rows  # T_SPEC pool rows owned; the accepted state lives in rows[self.cur]
-        self.cur = 0
-        self.stream = {name: [] for name in ("q", "k", "v", "g", "beta")}  # accepted tokens
-        self.started = False
-
-    def accept(self, inp, start, count):
-        """Tokens start .. start + count - 1 of a varlen call."""
-        for name in self.stream:
-            self.stream[name].append(inp[name][0, start:start + count])
-
-    def accept_row(self, inp, row, count):
-        """The first `count` tokens of row `row` of a fixed-layout call."""
-        for name in self.stream:
-            self.stream[name].append(inp[name][row, :count])
-
-    def tokens(self, name):
-        return torch.cat(self.stream[name], 0) if self.stream[name] else None
+from request_lifecycle import NAN, T_SPEC, Requests
 
 
 def _ref_decode(inp, pool, idx, acc=None):
@@ -56,10 +32,7 @@ def run_pool_simulation(*, gen: torch.Generator, rng: random.Random, device, sta
     steps step_check(step) runs (if given) and the pool is checked against the token streams."""
     pool = torch.full((P, H, D, D), NAN, device=device, dtype=state_dtype)  # free rows NaN: a read shows
     shadow = pool.double().clone()  # the pool the float64 reference says we should have
-    free = list(range(P))
-    rng.shuffle(free)
-    live = []
-    next_id = 0
+    requests = Requests(rng, P, max_live=10, action_cuts=(0.08, 0.25, 0.55, 0.9))
     A_log = torch.rand(H, generator=gen).to(device)
     dt_bias = torch.rand(H, D, generator=gen).to(device)
     gate = dict(gate_mode="bounded", A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, use_qk_l2norm=True,
@@ -74,7 +47,7 @@ def run_pool_simulation(*, gen: torch.Generator, rng: random.Random, device, sta
     def check_against_streams(step):
         if pool.is_cuda:
             torch.cuda.synchronize()
-        started = [r for r in live if r.started]
+        started = [r for r in requests.live if r.started]
         if started:
             lens = [r.tokens("q").shape[0] for r in started]
             cu = torch.tensor([0] + list(torch.cumsum(torch.tensor(lens), 0)), dtype=torch.int64, device=device)
@@ -85,38 +58,16 @@ def run_pool_simulation(*, gen: torch.Generator, rng: random.Random, device, sta
                 e = rel_err(pool[row], fin[i])
                 assert e <= state_tol, (f"seed {seed} step {step}: request {r.rid} (row {row}, {lens[i]} tokens): "
                                         f"state rel {e:.3e}")
-        owned = {row for r in live for row in r.rows}
+        owned = {row for r in requests.live for row in r.rows}
         for row in range(P):
             if row not in owned:
                 assert torch.isnan(pool[row].float()).all(), f"seed {seed} step {step}: free row {row} was written"
         assert torch.equal(torch.isnan(pool.float()), torch.isnan(shadow)), f"seed {seed} step {step}"
 
     for step in range(200):
-        # arrivals
-        new = []
-        while len(free) >= T_SPEC and len(live) < 10 and rng.random() < 0.5:
-            r = Request(next_id, [free.pop() for _ in range(T_SPEC)])
-            next_id += 1
-            live.append(r)
-            new.append(r)
-        # an action for every request: new ones prefill; others continue, decode, spec-decode, idle or finish
-        acts = {"prefill": list(new), "decode": [], "spec": []}
-        for r in list(live):
-            if r in new:
-                continue
-            x = rng.random()
-            if x < 0.08:
-                live.remove(r)
-                pool[r.rows] = NAN
-                shadow[r.rows] = NAN
-                free.extend(r.rows)
-                counts["finished"] += 1
-            elif x < 0.25:
-                acts["prefill"].append(r)
-            elif x < 0.55:
-                acts["decode"].append(r)
-            elif x < 0.9:
-                acts["spec"].append(r)
+        # arrivals, and an action for every request: new ones prefill; others continue, decode,
+        # spec-decode, idle or finish
+        acts = requests.next_step((pool, shadow), counts)
 
         # prefill: new requests (has_initial_state False, their rows are NaN) and continuations,
         # varlen, maybe one padded row

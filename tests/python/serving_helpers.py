@@ -19,6 +19,7 @@ import torch
 import flashkda
 from flashkda import reference as R
 from flashkda.serving import DecodeGroup, PrefillGroup, SpecGroup
+from request_lifecycle import T_SPEC, Requests
 
 BF16 = torch.bfloat16
 SENTINEL = 7.0
@@ -194,23 +195,6 @@ def mixed_plan(order="shuffled", seed=0, extra_rows=3) -> StepPlan:
 
 # ---- a multi-step serving simulation ----------------------------------------------------------------
 
-T_SPEC = 4
-
-
-class _Request:
-    def __init__(self, rid, rows):
-        self.rid = rid
-        self.rows = rows  # T_SPEC pool rows; the accepted state lives in rows[self.cur]
-        self.cur = 0
-        self.stream = {name: [] for name in TOKEN_NAMES}  # accepted tokens, in order
-        self.started = False
-
-    def accept(self, step, token_rows, count):
-        """The first `count` of the given rows of the step."""
-        for name in self.stream:
-            self.stream[name].append(step.inputs[name][0, token_rows[:count]])
-
-
 def simulate_serving(device, steps, seed, H, D, out_tol, state_tol, P=48, check_every=10):
     """`steps` engine steps on one pool, each one kda_step of new prefills, continuations, plain and
     speculative decodes (random acceptance, rollback through the slots), padded requests and unused
@@ -221,16 +205,14 @@ def simulate_serving(device, steps, seed, H, D, out_tol, state_tol, P=48, check_
     gen = torch.Generator().manual_seed(seed)
     pool = torch.full((P, H, D, D), float("nan"), device=device)  # free rows are NaN: reading one would show
     shadow = pool.double().clone()
-    free = list(range(P))
-    rng.shuffle(free)
-    live, next_id = [], 0
+    requests = Requests(rng, P, max_live=9, action_cuts=(0.08, 0.3, 0.6, 0.95))
     gate = dict(gate_mode="bounded", A_log=torch.rand(H, generator=gen).to(device),
                 dt_bias=torch.rand(H, D, generator=gen).to(device), lower_bound=-5.0, use_qk_l2norm=True,
                 use_beta_sigmoid=True)
     counts = dict(prefill_new=0, prefill_cont=0, decode=0, spec=0, padded=0, finished=0, mixed=0)
 
     def check_streams(step_no):
-        started = [r for r in live if r.started]
+        started = [r for r in requests.live if r.started]
         if not started:
             return
         lens = [sum(x.shape[0] for x in r.stream["q"]) for r in started]
@@ -242,35 +224,13 @@ def simulate_serving(device, steps, seed, H, D, out_tol, state_tol, P=48, check_
             row = r.rows[r.cur]
             err = R.rel_err(pool[row], fin[i])
             assert err < state_tol, f"step {step_no}: request {r.rid} ({lens[i]} tokens): state rel {err:.2e}"
-        owned = {row for r in live for row in r.rows}
+        owned = {row for r in requests.live for row in r.rows}
         for row in range(P):
             if row not in owned:
                 assert torch.isnan(pool[row]).all(), f"step {step_no}: free row {row} was written"
 
     for step_no in range(steps):
-        new = []
-        while len(free) >= T_SPEC and len(live) < 9 and rng.random() < 0.5:
-            r = _Request(next_id, [free.pop() for _ in range(T_SPEC)])
-            next_id += 1
-            live.append(r)
-            new.append(r)
-        acts = {"prefill": list(new), "decode": [], "spec": []}
-        for r in list(live):
-            if r in new:
-                continue
-            x = rng.random()
-            if x < 0.08:
-                live.remove(r)
-                pool[r.rows] = float("nan")
-                shadow[r.rows] = float("nan")
-                free.extend(r.rows)
-                counts["finished"] += 1
-            elif x < 0.3:
-                acts["prefill"].append(r)
-            elif x < 0.6:
-                acts["decode"].append(r)
-            elif x < 0.95:
-                acts["spec"].append(r)
+        acts = requests.next_step((pool, shadow), counts)
 
         # The plan: the requests' own pool rows, plus a padded request per group now and then.
         pre = [(rng.randint(1, 12) if not r.started else rng.randint(0, 6), r.rows[r.cur], r.started)
@@ -309,19 +269,19 @@ def simulate_serving(device, steps, seed, H, D, out_tol, state_tol, P=48, check_
         if step.prefill is not None:
             rows, cu = step.prefill.token_rows.tolist(), step.prefill.cu_seqlens.tolist()
             for i, r in enumerate(acts["prefill"]):
-                r.accept(step, rows[cu[i]:cu[i + 1]], cu[i + 1] - cu[i])
+                r.accept_rows(step.inputs, rows[cu[i]:cu[i + 1]], cu[i + 1] - cu[i])
                 counts["prefill_cont" if r.started else "prefill_new"] += 1
                 r.started = True
         if step.decode is not None:
             rows = step.decode.token_rows.tolist()
             for i, r in enumerate(acts["decode"]):
-                r.accept(step, rows[i:i + 1], 1)
+                r.accept_rows(step.inputs, rows[i:i + 1], 1)
                 counts["decode"] += 1
         if step.spec is not None:
             rows, cu = step.spec.token_rows.tolist(), step.spec.cu_seqlens.tolist()
             for i, r in enumerate(acts["spec"]):
                 accepted = rng.randint(1, spec_lens[i])  # the drafts the verifier kept (+ the bonus token)
-                r.accept(step, rows[cu[i]:cu[i + 1]], accepted)
+                r.accept_rows(step.inputs, rows[cu[i]:cu[i + 1]], accepted)
                 r.cur = accepted - 1
                 counts["spec"] += 1
         counts["padded"] += pads

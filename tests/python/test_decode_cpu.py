@@ -26,14 +26,7 @@ DECODE_SCHEMA = (
 
 _GATE_KEYS = ("gate_mode", "A_log", "dt_bias", "lower_bound", "use_qk_l2norm", "use_beta_sigmoid")
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: intra-op threads only cost (badly so on a busy 2-core machine)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def tokens(gen, N=1, T=1, lens=None, **kw):

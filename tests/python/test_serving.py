@@ -24,13 +24,7 @@ P = 26
 OUT_TOL = 1e-2
 STATE_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def new_pool(gen, dtype=torch.float32, rows=P):
