@@ -2,7 +2,7 @@
 # THE test command of FlashKDA (CI runs it through .ci/run):
 #   1. installs what is missing (scripts/install_deps.sh),
 #   2. builds the library and the GoogleTest suite with CMake (CUDA kernels too when nvcc is found,
-#      so they at least compile here) and runs ctest,
+#      so they at least compile here) and runs ctest, then the C++ suite again under ASan + UBSan,
 #   3. installs the C++ library to build/prefix (cmake --install), builds examples/cpp against it
 #      with find_package(flashkda) and runs it (on the GPU when a usable one is present, else CPU),
 #   4. builds and installs the Python package (the torch op library) and runs pytest.
@@ -24,6 +24,20 @@ cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHKDA_BUIL
 cmake --build "$BUILD" -j "$JOBS"
 echo "== flashkda: ctest =="
 ctest --test-dir "$BUILD" --output-on-failure -j "$JOBS"
+
+# The same C++ suite (reference, validation, layouts, walk order) once more under AddressSanitizer,
+# LeakSanitizer and UndefinedBehaviorSanitizer, CPU build: the host code must not read or write out
+# of bounds on any input the tests give it (a UB finding aborts: -fno-sanitize-recover).
+# FLASHKDA_SANITIZE=0 skips it (about a minute on two cores).
+if [ "${FLASHKDA_SANITIZE:-1}" != "0" ]; then
+  echo "== flashkda: C++ tests under ASan + UBSan (CPU build) =="
+  SAN_FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -O1"
+  cmake -S "$ROOT" -B "$ROOT/build/sanitize" -G Ninja -DCMAKE_BUILD_TYPE=Debug -DFLASHKDA_BUILD_TESTS=ON \
+    -DFLASHKDA_ENABLE_CUDA=OFF -DCMAKE_CXX_FLAGS="$SAN_FLAGS" -DCMAKE_EXE_LINKER_FLAGS="$SAN_FLAGS"
+  cmake --build "$ROOT/build/sanitize" -j "$JOBS" --target flashkda_tests
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
+    "$ROOT/build/sanitize/flashkda_tests" --gtest_brief=1
+fi
 
 echo "== flashkda: C++ consumer (cmake --install, find_package, examples/cpp) =="
 PREFIX="$ROOT/build/prefix"

@@ -142,8 +142,9 @@ struct SegmentMap {
 
 SegmentMap segment_map(const CoreInputs& in, int64_t t0, int64_t t1, int64_t K, int64_t V) {
   SegmentMap m{std::vector<double>(K * K, std::nan("")), std::vector<double>(V * K, std::nan(""))};
-  reference::kda_segment_map(nullptr, &in.k[t0 * K], &in.v[t0 * V], &in.a[t0 * K], &in.b[t0], t1 - t0, K, V,
-                             m.M.data(), m.B.data());
+  // data() + offset, not &x[offset]: an empty segment of an empty input must not index the vector.
+  reference::kda_segment_map(nullptr, in.k.data() + t0 * K, in.v.data() + t0 * V, in.a.data() + t0 * K,
+                             in.b.data() + t0, t1 - t0, K, V, m.M.data(), m.B.data());
   return m;
 }
 
