@@ -1,0 +1,231 @@
+"""A float64 model of chunk_prepare's chunk records, and a reader of the records a CUDA prefill left in
+its workspace, so that a test can tell which tile of which (chunk, head) a prepare kernel got wrong
+(the end-to-end tests only see the output and the final state).
+
+The record of one (chunk, head) (ChunkRecord<D> in csrc/sm90/kda_common.cuh, D = K = V, C = 64):
+
+    W   [C, D] bf16   T_inv diag(b) kt               kt = k 2^G,  kb = k 2^-G
+    QT  [C, D] bf16   scale q 2^G
+    KD  [C, D] fp16   k 2^(G_last - G) * 2^-shift_d
+    UT  [D, C] fp16   (T_inv diag(b) v)^T * 2^-shift_u
+    MQK [C, C] fp16   scale lower_incl(q 2^G kb^T) * 2^-shift_m
+    gamma [D] fp32    2^G_last
+    shifts int32      shift_u, shift_m, shift_d (then padding to 128 bytes)
+
+with G the within-chunk cumulative log decay in log2 units (G_t = sum_{s <= t} a_s / ln 2), L =
+strict_lower(diag(b) kt kb^T), T_inv = (I + L)^-1, every 16-bit tile stored as its SW128
+shared-memory image (csrc/sm90/kda_sw128.h).  Rows past a sequence's end are inert: q = k = v = 0,
+a = 0, b = 0.  The record of chunk c of sequence n sits at slot floor(cu[n] / C) + n + c (varlen) or
+n ceil(T / C) + c (fixed length), head h: byte 4096 + (slot H + h) * record_bytes(D) of the workspace.
+
+:func:`chunk_walk` applies the walk's three products to true (unshifted) tiles in float64; the CPU
+tests check that chaining it over a sequence's chunks is the token recurrence, which is what makes
+the model a specification of the record rather than a second copy of the kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Tuple
+
+import torch
+
+Tensor = torch.Tensor
+
+C = 64
+HEADER_BYTES = 4096
+TILES = ("W", "QT", "KD", "UT", "MQK")
+_TILE_DTYPE = {"W": torch.bfloat16, "QT": torch.bfloat16, "KD": torch.float16, "UT": torch.float16,
+               "MQK": torch.float16}
+
+
+def record_layout(D: int) -> Dict[str, int]:
+    """Byte offsets of the record's parts, and its size ('bytes'), as ChunkRecord<D>."""
+    off = {"W": 0}
+    off["QT"] = off["W"] + C * D * 2
+    off["KD"] = off["QT"] + C * D * 2
+    off["UT"] = off["KD"] + C * D * 2
+    off["MQK"] = off["UT"] + D * C * 2
+    off["gamma"] = off["MQK"] + C * C * 2
+    off["shifts"] = off["gamma"] + D * 4
+    off["bytes"] = off["shifts"] + 128
+    return off
+
+
+def tile_shape(name: str, D: int) -> Tuple[int, int]:
+    return {"W": (C, D), "QT": (C, D), "KD": (C, D), "UT": (D, C), "MQK": (C, C)}[name]
+
+
+def sw128_element(rows: int, r: Tensor, col: Tensor) -> Tensor:
+    """Element offset (16-bit units) of (r, col) in a SW128 tile of `rows` rows: 64-column halves of
+    rows x 128 bytes; inside a half, the 16-byte piece p of row r at r * 128 + ((p ^ (r & 7)) * 16)."""
+    half, piece, within = col // 64, (col % 64) // 8, col % 8
+    return half * (rows * 64) + r * 64 + ((piece ^ (r % 8)) * 8) + within
+
+
+def unswizzle(image: Tensor, rows: int, cols: int) -> Tensor:
+    """The [rows, cols] matrix of a SW128 image given as a flat tensor of 16-bit elements."""
+    r = torch.arange(rows).view(rows, 1).expand(rows, cols)
+    c = torch.arange(cols).view(1, cols).expand(rows, cols)
+    return image[sw128_element(rows, r, c).to(image.device)]
+
+
+def swizzle(matrix: Tensor) -> Tensor:
+    """The SW128 image (flat) of a [rows, cols] matrix of a 16-bit dtype (the inverse of unswizzle)."""
+    rows, cols = matrix.shape
+    r = torch.arange(rows).view(rows, 1).expand(rows, cols)
+    c = torch.arange(cols).view(1, cols).expand(rows, cols)
+    image = torch.empty(rows * cols, dtype=matrix.dtype, device=matrix.device)
+    image[sw128_element(rows, r, c).to(matrix.device).reshape(-1)] = matrix.reshape(-1)
+    return image
+
+
+def chunk_slot(n: int, c: int, cu: List[int] = None, T: int = 0) -> int:
+    """The record slot of chunk c of sequence n (cu: the cu_seqlens values, or None for fixed length T)."""
+    if cu is not None:
+        return cu[n] // C + n + c
+    return n * ((T + C - 1) // C) + c
+
+
+def read_record(workspace: Tensor, slot: int, h: int, H: int, D: int) -> Dict:
+    """One record from a workspace (uint8, any device) as float64 CPU tensors (tiles as stored, i.e.
+    still shifted) plus the int shifts 'shift_u', 'shift_m', 'shift_d'."""
+    lay = record_layout(D)
+    base = HEADER_BYTES + (slot * H + h) * lay["bytes"]
+    raw = workspace[base: base + lay["bytes"]].cpu()
+    rec = {}
+    for name in TILES:
+        rows, cols = tile_shape(name, D)
+        start = lay[name]
+        image = raw[start: start + rows * cols * 2].view(_TILE_DTYPE[name])
+        rec[name] = unswizzle(image, rows, cols).double()
+    rec["gamma"] = raw[lay["gamma"]: lay["gamma"] + D * 4].view(torch.float32).double()
+    shifts = raw[lay["shifts"]: lay["shifts"] + 12].view(torch.int32).tolist()
+    rec["shift_u"], rec["shift_m"], rec["shift_d"] = shifts
+    return rec
+
+
+def unshifted(rec: Dict) -> Dict:
+    """The true tiles of a record read by read_record (its power-of-two shifts undone)."""
+    out = dict(rec)
+    out["KD"] = rec["KD"] * 2.0 ** rec["shift_d"]
+    out["UT"] = rec["UT"] * 2.0 ** rec["shift_u"]
+    out["MQK"] = rec["MQK"] * 2.0 ** rec["shift_m"]
+    return out
+
+
+def oracle_tiles(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, scale: float) -> Dict[str, Tensor]:
+    """The true record tiles of one (chunk, head) from its preprocessed float64 rows (q, k l2-normalised
+    if the call normalises; a the natural-log decay; b the activated beta): q, k, a [rows, D], v
+    [rows, D], b [rows], rows <= C.  Rows rows .. C-1 are the inert padding."""
+    rows, D = q.shape
+    assert rows <= C
+
+    def pad(x):
+        z = torch.zeros((C,) + tuple(x.shape[1:]), dtype=torch.float64)
+        z[:rows] = x.double().cpu()
+        return z
+
+    q, k, v, a, b = pad(q), pad(k), pad(v), pad(a), pad(b)
+    G = torch.cumsum(a, 0) / math.log(2.0)  # log2 units, inclusive
+    kt, kb = k * torch.exp2(G), k * torch.exp2(-G)
+    lower = torch.tril(torch.ones(C, C, dtype=torch.float64), -1)
+    L = lower * (b[:, None] * (kt @ kb.T))
+    T_inv = torch.linalg.inv(torch.eye(C, dtype=torch.float64) + L)
+    Tb = T_inv * b[None, :]
+    return {
+        "W": Tb @ kt,
+        "QT": scale * q * torch.exp2(G),
+        "KD": k * torch.exp2(G[-1:] - G),
+        "UT": (Tb @ v).T,
+        "MQK": scale * torch.tril((q * torch.exp2(G)) @ kb.T),
+        "gamma": torch.exp2(G[-1]),
+    }
+
+
+def chunk_walk(S: Tensor, tiles: Dict[str, Tensor]) -> Tuple[Tensor, Tensor]:
+    """The walk's products on one chunk in float64 (state S [V, K], V-first): returns (O [C, V], S_end).
+
+        VnT = UT - S W^T,   OT = S QT^T + VnT MQK^T,   S_end = S diag(gamma) + VnT KD
+    """
+    VnT = tiles["UT"] - S @ tiles["W"].T
+    OT = S @ tiles["QT"].T + VnT @ tiles["MQK"].T
+    return OT.T, S * tiles["gamma"][None, :] + VnT @ tiles["KD"]
+
+
+def write_record(workspace: Tensor, slot: int, h: int, H: int, D: int, tiles: Dict[str, Tensor],
+                 shifts: Tuple[int, int, int]) -> None:
+    """Stores true tiles as chunk_prepare would (the inverse of read_record + unshifted): each 16-bit tile
+    shifted, rounded to its storage dtype and written as its SW128 image.  For tests of the reader."""
+    shift_u, shift_m, shift_d = shifts
+    scaled = dict(tiles, UT=tiles["UT"] * 2.0 ** -shift_u, MQK=tiles["MQK"] * 2.0 ** -shift_m,
+                  KD=tiles["KD"] * 2.0 ** -shift_d)
+    lay = record_layout(D)
+    base = HEADER_BYTES + (slot * H + h) * lay["bytes"]
+    rec = torch.zeros(lay["bytes"], dtype=torch.uint8)
+    for name in TILES:
+        image = swizzle(scaled[name].to(_TILE_DTYPE[name]))
+        rec[lay[name]: lay[name] + image.numel() * 2] = image.view(torch.uint8)
+    rec[lay["gamma"]: lay["gamma"] + D * 4] = tiles["gamma"].float().view(torch.uint8)
+    rec[lay["shifts"]: lay["shifts"] + 12] = torch.tensor([shift_u, shift_m, shift_d], dtype=torch.int32).view(
+        torch.uint8)
+    workspace[base: base + lay["bytes"]] = rec.to(workspace.device)
+
+
+def preprocessed(inp: Dict):
+    """Spec section 2's per-token preprocessing in float64 on the CPU, tokens flattened (make_inputs'
+    dict): q, k (l2-normalised if the call normalises), v, a (natural-log decay) [B*T, H, D], b [B*T, H]."""
+    from flashkda import reference as R
+
+    B, T, H, _ = inp["q"].shape
+    q, k = inp["q"].double().cpu(), inp["k"].double().cpu()
+    if inp["use_qk_l2norm"]:
+        q, k = R.l2norm(q), R.l2norm(k)
+    a = R.gate_log_decay(inp["g"].cpu(), inp["gate_mode"], inp["A_log"].cpu(), inp["dt_bias"].cpu(),
+                         inp["lower_bound"])
+    b = R.beta_activation(inp["beta"].cpu(), inp["use_beta_sigmoid"])
+
+    def flat(x):
+        return x.reshape(B * T, H, -1)
+
+    return flat(q), flat(k), flat(inp["v"].double().cpu()), flat(a), b.reshape(B * T, H)
+
+
+def chunks(inp: Dict):
+    """(sequence n, chunk c, first token, end token, record slot) of every chunk of a make_inputs dict."""
+    B, T = inp["q"].shape[:2]
+    if inp["cu_seqlens"] is not None:
+        cu = [int(x) for x in inp["cu_seqlens"].tolist()]
+        spans = [(cu[n], cu[n + 1] - cu[n]) for n in range(len(cu) - 1)]
+    else:
+        cu, spans = None, [(n * T, T) for n in range(B)]
+    for n, (start, length) in enumerate(spans):
+        for c in range((length + C - 1) // C):
+            yield n, c, start + c * C, start + min(length, (c + 1) * C), chunk_slot(n, c, cu, T)
+
+
+def compare_records(workspace: Tensor, inp: Dict, scale: float) -> Dict[str, Tuple[float, Tuple[int, int, int]]]:
+    """Every record of a call on `inp` against the model: per tile name, the largest relative
+    (Frobenius) error and its (sequence, chunk, head).  A non-finite stored value counts as error inf."""
+    H, D = inp["q"].shape[2], inp["q"].shape[3]
+    q, k, v, a, b = preprocessed(inp)
+    worst: Dict[str, Tuple[float, Tuple[int, int, int]]] = {}
+    for n, c, t0, t1, slot in chunks(inp):
+        for h in range(H):
+            ref = oracle_tiles(q[t0:t1, h], k[t0:t1, h], v[t0:t1, h], a[t0:t1, h], b[t0:t1, h], scale)
+            rec = read_record(workspace, slot, h, H, D)
+            got = unshifted(rec)
+            # gamma is stored in fp32: channels that decay by more than 2^-126 over the chunk are 0 there
+            ref["gamma"] = ref["gamma"].float().double()
+            for name in TILES + ("gamma",):
+                finite = bool(torch.isfinite(rec[name]).all())
+                err = rel_frobenius(got[name], ref[name]) if finite else math.inf
+                if err > worst.get(name, (-1.0, None))[0]:
+                    worst[name] = (err, (n, c, h))
+    return worst
+
+
+def rel_frobenius(x: Tensor, ref: Tensor) -> float:
+    den = float(torch.linalg.vector_norm(ref))
+    num = float(torch.linalg.vector_norm(x - ref))
+    return num / den if den > 0 else num
