@@ -207,7 +207,9 @@ void run_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   flashkda::ProblemShape shape;
   throw_status(flashkda::can_implement(p, &shape));
 
-  // At least workspace_size() bytes on the GPU.
+  // At least workspace_size() bytes on the GPU.  Every argument is judged before the workspace's
+  // layout: flashkda.serving.kda_step validates a group's call without running it by passing a
+  // non-contiguous workspace (see _VALIDATED there), here and in decode_impl.
   const WorkspaceView ws = workspace_view(workspace, q);
   if (q.is_cuda()) {
     const size_t need = flashkda::workspace_size(shape.total_tokens, shape.H, shape.N, shape.K);
@@ -264,7 +266,8 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 
   throw_status(flashkda::can_implement_decode(p));
 
-  // The GPU needs at least workspace_size_decode() bytes (the device error word lives there).
+  // The GPU needs at least workspace_size_decode() bytes (the device error word lives there).  The
+  // arguments are judged before the workspace's layout (see run_prefill: kda_step relies on it).
   const bool has_ws = workspace.has_value() && workspace->defined();
   const WorkspaceView ws = has_ws ? workspace_view(*workspace, q) : WorkspaceView{};
   if (q.is_cuda()) {

@@ -29,11 +29,13 @@ intermediate states, unknown keyword arguments) makes auto use fla when it can, 
 from __future__ import annotations
 
 import inspect
+import math
 import warnings
 from typing import Dict, List, Optional
 
 import torch
 
+from . import host_checks
 from . import reference as _reference
 from .backend import Selection, fla_function, select_backend
 from .ops import _new_out, _op_options, new_workspace
@@ -57,6 +59,13 @@ def _rows_contiguous(x: Tensor) -> Tensor:
     return x
 
 
+def _positive_finite(x) -> bool:
+    try:
+        return math.isfinite(float(x)) and float(x) > 0
+    except (TypeError, ValueError):
+        return False
+
+
 def _unsupported(return_intermediate_states: bool, cp_context, kwargs: Dict) -> List[str]:
     """Why flashkda's own backends (cuda, reference) cannot serve these flags of a chunk_kda call."""
     out = []
@@ -74,6 +83,13 @@ def _unsupported(return_intermediate_states: bool, cp_context, kwargs: Dict) -> 
 
 def _select(q, k, v, g, beta, A_log, dt_bias, initial_state, return_intermediate_states, cp_context,
             kwargs, backend, evaluate_all=False) -> Selection:
+    # The selection reads the tensors' devices, dtypes and shapes: anything else is named here.
+    for name, t, layout in (("q", q, "[B, T, H, K]"), ("k", k, "[B, T, H, K]"), ("v", v, "[B, T, H, V]"),
+                            ("g", g, "[B, T, H, K]"), ("beta", beta, "[B, T, H]")):
+        host_checks.check_tensor(name, t, layout)
+    host_checks.check_tensor("A_log", A_log, "[H]", optional=True)
+    host_checks.check_tensor("dt_bias", dt_bias, "[H * K]", optional=True)
+    host_checks.check_tensor("initial_state", initial_state, "[N, H, K, V]", optional=True)
     return select_backend(
         "prefill", q, k, v, backend=backend, fn="chunk_kda",
         tensors={"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
@@ -182,21 +198,35 @@ def _flashkda_chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_sta
     if chunk_size not in (32, 64):
         raise ValueError(f"flashkda.chunk_kda: argument 'chunk_size' must be 32 or 64, got {chunk_size}")
 
-    if q.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"flashkda.chunk_kda: arguments 'q' and 'v' must be 4-D [B, T, H, D], got "
-                         f"q {tuple(q.shape)}, v {tuple(v.shape)}")
-    B, T, H, K = q.shape
+    # fla multiplies by the scale it is given; the ops read 0 as K^-0.5 and refuse negative values, so
+    # the only scales both read alike are None and positive ones.
+    if scale is not None and not _positive_finite(scale):
+        raise host_checks.bad("scale", "None (K^-0.5) or a finite value > 0 (fla's chunk_kda would use it as "
+                              "given; flashkda supports only positive scales or None)", repr(scale))
 
+    # What this wrapper reads before the op (shapes, the sequence count) is checked here; the op
+    # checks the rest.
+    host_checks.check_rank("q", q, 4, "[B, T, H, K]")
+    host_checks.check_rank("v", v, 4, "[B, T, H, V]")
+    B, T, H, K = q.shape
     if cu_seqlens is not None:
+        host_checks.check_tensor("cu_seqlens", cu_seqlens, "[N+1]")
+        host_checks.check_rank("cu_seqlens", cu_seqlens, 1, "[N+1]")
+        if cu_seqlens.shape[0] < 1:
+            raise host_checks.bad("cu_seqlens", "at least 1 element [N+1]", str(list(cu_seqlens.shape)))
         if B != 1:
             raise ValueError(f"flashkda.chunk_kda: argument 'q': the batch size must be 1 with cu_seqlens "
                              f"(flatten varlen inputs), got {B}")
         N = cu_seqlens.shape[0] - 1
     else:
         N = B
-    if initial_state is not None and initial_state.shape[0] != N:
-        raise ValueError(f"flashkda.chunk_kda: argument 'initial_state': expected {N} states (one per "
-                         f"sequence), got {initial_state.shape[0]}")
+    if initial_state is not None:
+        layout = "[N, H, V, K]" if state_v_first else "[N, H, K, V]"
+        host_checks.check_rank("initial_state", initial_state, 4, layout)
+        expect = [N, H, v.shape[-1], K] if state_v_first else [N, H, K, v.shape[-1]]
+        if list(initial_state.shape) != expect:
+            raise host_checks.bad("initial_state", f"shape {expect} {layout.replace('[', '(').replace(']', ')')}: "
+                                  "one state per sequence", str(list(initial_state.shape)))
 
     # Gate.
     A_log_t = dt_bias_t = None
@@ -249,7 +279,10 @@ def _flashkda_chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_sta
         ht = torch.empty(N, H, v.shape[-1], K, dtype=torch.float32, device=q.device)
 
     if torch_reference:
-        # Debugging path: the float64 recurrence on the tensors' device, results cast back.
+        # Debugging path: the float64 recurrence on the tensors' device, results cast back.  It indexes
+        # with cu_seqlens: its shapes and values are checked first, on a host copy (the path
+        # synchronises anyway), with the op's rules.
+        host_checks.token_layout(q, k, v, g, beta, cu_seqlens=cu_seqlens)
         ref_out, ref_fs = _reference.prefill(
             q, k, v, g, beta, scale=scale, gate_mode=gate_mode, A_log=A_log_t, dt_bias=dt_bias_t, lower_bound=lb,
             use_qk_l2norm=bool(use_qk_l2norm_in_kernel), use_beta_sigmoid=use_beta_sigmoid, initial_state=h0,

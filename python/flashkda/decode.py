@@ -26,7 +26,8 @@ A negative read slot pads the request (output zeroed, nothing read or written); 
 slot skips that write.  Invalid inputs (index >= P, a pool row written twice, a row written by one
 request and read by another, num_accepted outside [1, S], ...) raise ``ValueError`` naming the
 argument and write nothing (CPU tensors; on CUDA the kernel checks the values and records a device
-error instead, see :func:`flashkda.read_device_error`).
+error instead, see :func:`flashkda.read_device_error`; the "reference" and "triton" backends, which
+index with the values in PyTorch, check them on the host first, as the op does for CPU tensors).
 
 Backends (``backend=``, ``FLASHKDA_BACKEND``; :mod:`flashkda.backend`, :func:`explain_decode`):
 ``"cuda"`` runs the sm90 decode kernel (compute capability 9.0, CUDA build), ``"reference"`` the C++
@@ -43,6 +44,7 @@ from typing import List, Optional
 
 import torch
 
+from . import host_checks
 from . import reference as _reference
 from .backend import Selection, fla_function, select_backend
 from .ops import _check_no_grad, _new_out, _op_options, new_decode_workspace
@@ -63,6 +65,14 @@ def _triton_unsupported(ssm_state_indices: Tensor) -> List[str]:
 
 def _select(q, k, v, g, beta, A_log, dt_bias, state_pool, ssm_state_indices, backend,
             evaluate_all=False) -> Selection:
+    # The selection reads the tensors' devices, dtypes and shapes: anything else is named here.
+    for name, t, layout in (("q", q, "[B, T, H, K]"), ("k", k, "[B, T, H, K]"), ("v", v, "[B, T, H, V]"),
+                            ("g", g, "[B, T, H, K]"), ("beta", beta, "[B, T, H]"),
+                            ("state_pool", state_pool, "[P, H, V, K]"),
+                            ("ssm_state_indices", ssm_state_indices, "[N] or [N, S]")):
+        host_checks.check_tensor(name, t, layout)
+    host_checks.check_tensor("A_log", A_log, "[H]", optional=True)
+    host_checks.check_tensor("dt_bias", dt_bias, "[H, K]", optional=True)
     return select_backend(
         "decode", q, k, v, backend=backend, fn="decode",
         tensors={"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
@@ -146,6 +156,17 @@ def explain_decode(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sta
 
 
 # ---- the backends that are not the op ------------------------------------------------------------
+#
+# Both check every argument on the host first (flashkda.host_checks: the op's rules and words, on
+# host copies of the index tensors): they index with the values, so a bad one would be an
+# IndexError, a device-side assert that ends the process, or a silently wrong pool.
+
+def _check_fallback(q, k, v, g, beta, state_pool, ssm_state_indices, out, *, num_accepted_tokens, cu_seqlens,
+                    scale, token_rows):
+    host_checks.check_scale(scale)
+    lay = host_checks.token_layout(q, k, v, g, beta, out, cu_seqlens=cu_seqlens, token_rows=token_rows)
+    host_checks.decode_indices(lay, out, state_pool, ssm_state_indices, num_accepted_tokens)
+
 
 def _gather_rows(xs, token_rows):
     """The logical tokens of a token_rows call: x[:, token_rows] (copies), or xs unchanged."""
@@ -166,6 +187,8 @@ def _torch_reference_decode(q, k, v, g, beta, state_pool, ssm_state_indices, out
                             cu_seqlens, scale, gate_mode, A_log, dt_bias, lower_bound, use_qk_l2norm,
                             use_beta_sigmoid, token_rows):
     """Debugging path: the float64 PyTorch reference on the tensors' device, results cast back."""
+    _check_fallback(q, k, v, g, beta, state_pool, ssm_state_indices, out, num_accepted_tokens=num_accepted_tokens,
+                    cu_seqlens=cu_seqlens, scale=scale, token_rows=token_rows)
     qq, kk, vv, gg, bb = _gather_rows([q, k, v, g, beta], token_rows)
     ref_out, pool = _reference.decode(qq, kk, vv, gg, bb, state_pool, ssm_state_indices,
                                       num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens,
@@ -181,9 +204,8 @@ def _triton_decode(q, k, v, g, beta, state_pool, ssm_state_indices, out, *, num_
     """Plain decode (1-D indices) with fla's fused_recurrent_kda: gather the start states of the live
     requests, run fla with per-request states (V-first), zero the outputs of padded requests, and write
     the final states back (a host synchronisation: the live rows are selected by value)."""
-    if num_accepted_tokens is not None:
-        raise ValueError("flashkda.decode: argument 'num_accepted_tokens': expected none with 1-D "
-                         "ssm_state_indices, got a tensor")
+    _check_fallback(q, k, v, g, beta, state_pool, ssm_state_indices, out, num_accepted_tokens=num_accepted_tokens,
+                    cu_seqlens=cu_seqlens, scale=scale, token_rows=token_rows)
     fla_fused_recurrent_kda = fla_function("decode")
     idx = ssm_state_indices.to(dtype=torch.long)
     N = idx.shape[0]
@@ -198,7 +220,7 @@ def _triton_decode(q, k, v, g, beta, state_pool, ssm_state_indices, out, *, num_
         qq, kk, vv, gg, bb,
         A_log=A_log if gated else None,
         dt_bias=dt_bias.reshape(-1) if gated and dt_bias is not None else None,
-        scale=None if scale is None or scale <= 0 else float(scale),
+        scale=float(scale) if scale else None,  # flashkda's 0 (like None) is K^-0.5; fla's is None
         initial_state=h0, output_final_state=True,
         use_qk_l2norm_in_kernel=bool(use_qk_l2norm),
         use_gate_in_kernel=gated,

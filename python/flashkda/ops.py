@@ -26,6 +26,8 @@ from typing import Dict, Optional
 
 import torch
 
+from .host_checks import bad, check_scale
+
 __all__ = [
     "fwd",
     "prefill",
@@ -48,7 +50,8 @@ DEVICE_ERRORS = {
     3: "token_rows holds a value outside [0, rows)",
     4: "checkpoint_offsets holds a value outside [0, sequence length] or decreasing along a row",
     5: "num_accepted_tokens holds a value outside [1, S]",
-    6: "ssm_state_indices writes a pool row twice, or a row one request writes is read by another",
+    6: "two sequences share a state_indices row (prefill), or ssm_state_indices writes a pool row twice, or a "
+       "row one request writes is read by another (decode)",
 }
 
 
@@ -93,8 +96,10 @@ def get_workspace_size(T_total: int, H: int, N: int = 1) -> int:
     """Bytes of workspace a CUDA call over ``T_total`` tokens, ``H`` heads and ``N`` sequences needs.
 
     Depends only on these sizes, so an engine can size one buffer for its largest step and reuse it.
-    CPU calls need none.
+    CPU calls need none.  ``N = 0`` (a call without sequences) is sized as 1; the op judges the rest.
     """
+    if int(N) < 0:
+        raise bad("N", "a sequence count >= 0 (0 is sized as 1)", str(N))
     return int(torch.ops.flashkda.get_workspace_size(int(T_total), int(H), max(int(N), 1)))
 
 
@@ -142,7 +147,9 @@ def _new_out(q: Tensor, v: Tensor) -> Tensor:
 def _op_options(scale: Optional[float], gate_mode: str, A_log: Optional[Tensor], dt_bias: Optional[Tensor],
                 lower_bound: float, use_qk_l2norm: bool, use_beta_sigmoid: bool) -> Dict:
     """The gate and flag keywords the prefill and decode ops share, in the types of their schemas
-    (``scale=None``: 0.0, which the ops read as ``K ** -0.5``)."""
+    (``scale=None``: 0.0, which the ops read as ``K ** -0.5``; a negative scale is refused here, as
+    the ops would, before a wrapper allocates or a step runs anything)."""
+    check_scale(scale)
     return dict(scale=0.0 if scale is None else float(scale), gate_mode=gate_mode, A_log=A_log, dt_bias=dt_bias,
                 lower_bound=float(lower_bound), use_qk_l2norm=bool(use_qk_l2norm),
                 use_beta_sigmoid=bool(use_beta_sigmoid))

@@ -8,6 +8,7 @@ on the GPU (the tensors' device, or ``device=``) for long inputs.
 
 Layouts are those of the ops: q, k, g ``[B, T, H, K]``, v ``[B, T, H, V]``, beta ``[B, T, H]``,
 states V-first ``[N, H, V, K]`` (row v holds the K-vector).  With ``cu_seqlens`` B must be 1.
+``scale``: as the ops take it (None or 0: ``K ** -0.5``; a negative one raises ValueError).
 :func:`decode` is the recurrent decode / speculative decode on a state pool (section 4).
 """
 
@@ -16,6 +17,8 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+
+from .host_checks import check_scale
 
 __all__ = [
     "l2norm",
@@ -105,7 +108,8 @@ def _preprocess(q, k, v, g, beta, scale, gate_mode, A_log, dt_bias, lower_bound,
     device = torch.device(device) if device is not None else q.device
     B, T, H, K = q.shape
     Vd = v.shape[-1]
-    if scale is None or scale <= 0:
+    check_scale(scale)  # the ops' rule: None or 0 is K^-0.5, a negative scale an error
+    if not scale:
         scale = K ** -0.5
 
     def flat(x, d):

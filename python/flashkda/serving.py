@@ -45,11 +45,13 @@ verdict of each of the three calls of the last step.  CPU calls need none.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Dict, Optional
 
 import torch
 
+from . import host_checks
 from .ops import _check_no_grad, _op_options, get_decode_workspace_size, get_workspace_size, read_device_error
 
 __all__ = [
@@ -183,11 +185,76 @@ def _check_groups_cpu(R: int, prefill: Optional[PrefillGroup], decode: Optional[
                 claim(pool_owner, int(s), "spec", "pool rows")
 
 
+# ---- every group validated before any runs ---------------------------------------------------------
+#
+# Each group is one op call, and an op checks all its arguments before it writes anything; but a
+# later group's call would check its own only after the earlier groups' calls wrote out and the pool.
+# So with more than one group every call is first made as a validation only: the op judges every
+# argument (for CPU tensors the index values too) before it looks at the workspace's layout, and a
+# non-contiguous workspace stops it there, nothing written (csrc/torch/flashkda_ops.cpp: run_prefill
+# and decode_impl call can_implement, then workspace_view).  The op stays the one judge of its
+# arguments.  Cost: one host-side check per group (an exception: some 25 us, on CPU and on CUDA),
+# in eager steps only (a captured CUDA graph replays the kernels alone).
+
+_VALIDATED = "flashkda: argument 'workspace': expected a contiguous tensor"  # the stop above
+
+# The kda_step name of each op argument a group's call is given (an op's message names its own
+# arguments); the shared ones (q, k, v, g, beta, out, state_pool, A_log, scale, ...) keep theirs.
+_NAMES = {
+    "prefill": {"initial_state": "state_pool", "final_state": "state_pool", "cu_seqlens": "prefill.cu_seqlens",
+                "state_indices": "prefill.state_indices", "has_initial_state": "prefill.has_initial_state",
+                "token_rows": "prefill.token_rows"},
+    "decode": {"ssm_state_indices": "decode.state_indices", "cu_seqlens": "decode.cu_seqlens",
+               "token_rows": "decode.token_rows"},
+    "spec": {"ssm_state_indices": "spec.state_indices", "num_accepted_tokens": "spec.num_accepted_tokens",
+             "cu_seqlens": "spec.cu_seqlens", "token_rows": "spec.token_rows"},
+}
+_NAME_PATTERNS = {group: re.compile(r"\b(" + "|".join(names) + r")\b") for group, names in _NAMES.items()}
+_OP_ERRORS = (ValueError, NotImplementedError, RuntimeError)  # what the ops raise (kInvalidArgument, ...)
+
+
+def _in_step_terms(e: Exception, group: str) -> Exception:
+    """The op error ``e`` of ``group``'s call, naming kda_step's arguments (``state_pool``,
+    ``spec.num_accepted_tokens``, ...) instead of the op's, and the group where the argument is shared."""
+    names = _NAMES[group]
+    msg = _NAME_PATTERNS[group].sub(lambda m: names[m.group(1)], str(e))
+    named = re.match(r"flashkda: argument '([^']*)'", msg)
+    if named is None or "." not in named.group(1):
+        msg += f" (in kda_step's {group} group)"
+    return type(e)(msg)
+
+
+def _call(group: str, call, workspace: Optional[Tensor], validate: bool = False) -> None:
+    """``group``'s op call on ``workspace``, its errors in kda_step's terms.  ``validate``: the
+    workspace is the stop above, and stopping there means every argument passed."""
+    if torch.compiler.is_compiling():  # traced: the fake kernels raise nothing
+        call(workspace)
+        return
+    try:
+        call(workspace)
+    except _OP_ERRORS as e:
+        if type(e) not in _OP_ERRORS:  # (a subclass, e.g. out of memory: not an argument error)
+            raise
+        if validate and str(e).startswith(_VALIDATED):
+            return
+        raise _in_step_terms(e, group) from None
+    if validate:
+        raise RuntimeError(f"flashkda.kda_step: the validation call of the {group} group ran the op (it no "
+                           "longer stops at a non-contiguous workspace); out and state_pool may have been written")
+
+
 # ---- the step ---------------------------------------------------------------------------------------
 
 def _tokens(group, q: Tensor) -> int:
-    """The group's logical token count (host-known: a shape)."""
-    return q.shape[1] if group.token_rows is None else group.token_rows.shape[0]
+    """The group's logical token count (host-known: a shape; a token_rows of another rank is the op's
+    to report)."""
+    rows = group.token_rows
+    return rows.shape[0] if isinstance(rows, torch.Tensor) and rows.dim() == 1 else q.shape[1]
+
+
+def _sequences(group) -> int:
+    cu = group.cu_seqlens
+    return max(cu.shape[0] - 1, 1) if isinstance(cu, torch.Tensor) and cu.dim() == 1 else 1
 
 
 def kda_step(
@@ -218,25 +285,31 @@ def kda_step(
     :func:`flashkda.prefill` (``scale=None``: ``K ** -0.5``).  ``prefill``, ``decode``, ``spec``: the
     groups of the step (any may be None).  Every output lands in ``out`` at its row; the pool rows of
     the requests are updated in place.  ``workspace``: CUDA only, a contiguous uint8 tensor of at
-    least :func:`step_workspace_size` bytes (allocated when None).  Errors: ``ValueError`` naming the
-    argument (nothing is written by the call that detects it; an earlier group's call has run).
+    least :func:`step_workspace_size` bytes (allocated when None).  Errors: ``ValueError`` naming
+    kda_step's argument (``state_pool``, ``decode.state_indices``, ...; a shared one with its group),
+    raised before anything is written: every group is validated before the first runs (not under
+    ``torch.compile``, where each group's call validates only its own arguments).
     """
+    for name, t, layout in (("q", q, "[1, R, H, K]"), ("k", k, "[1, R, H, K]"), ("v", v, "[1, R, H, V]"),
+                            ("g", g, "[1, R, H, K]"), ("beta", beta, "[1, R, H]"), ("out", out, "[1, R, H, V]"),
+                            ("state_pool", state_pool, "[P, H, V, K]")):
+        host_checks.check_tensor(name, t, layout)
     _check_no_grad("kda_step", q, k, v, g, beta, A_log, dt_bias, state_pool)
     result = out
     if q.dim() == 3:  # [R, H, D]: the engine's flat token layout (views, no copies)
+        for name, t, rank, layout in (("k", k, 3, "[R, H, K]"), ("v", v, 3, "[R, H, V]"), ("g", g, 3, "[R, H, K]"),
+                                      ("beta", beta, 2, "[R, H]"), ("out", out, 3, "[R, H, V]")):
+            host_checks.check_rank(name, t, rank, layout + " (the flat layout of q)")
         q, k, v, g, out = (x.unsqueeze(0) for x in (q, k, v, g, out))
         beta = beta.unsqueeze(0)
     on_cuda = q.device.type == "cuda"
-
-    if not on_cuda and not torch.compiler.is_compiling():
-        _check_groups_cpu(q.shape[1], prefill, decode, spec)
 
     # Workspace regions (CUDA); CPU calls need none.
     ws_decode = ws_spec = None
     ws_prefill = torch.empty(0, dtype=torch.uint8, device=q.device) if not on_cuda else None
     if on_cuda:
         Tp = _tokens(prefill, q) if prefill is not None else 0
-        Np = prefill.cu_seqlens.shape[0] - 1 if prefill is not None else 1
+        Np = _sequences(prefill) if prefill is not None else 1
         if workspace is None:
             workspace = new_step_workspace(Tp, q.shape[2], Np, device=q.device)
         if workspace.dtype != torch.uint8 or workspace.dim() != 1 or not workspace.is_contiguous():
@@ -248,29 +321,52 @@ def kda_step(
             raise ValueError(f"flashkda: argument 'workspace': expected at least {need} bytes "
                              f"(flashkda.serving.step_workspace_size), got {workspace.numel()} bytes")
         ws_decode, ws_spec, ws_prefill = _regions(workspace)
+
+    opts = _op_options(scale, gate_mode, A_log, dt_bias, lower_bound, use_qk_l2norm, use_beta_sigmoid)
+
+    # The groups' calls, each given its workspace (region) by the caller: (group, call, workspace).
+    calls = []
+    if prefill is not None:
+        def run_prefill(ws):
+            torch.ops.flashkda.prefill(
+                q, k, v, g, beta, out, ws, **opts,
+                initial_state=state_pool, final_state=state_pool, cu_seqlens=prefill.cu_seqlens,
+                state_indices=prefill.state_indices, has_initial_state=prefill.has_initial_state,
+                token_rows=prefill.token_rows)
+        calls.append(("prefill", run_prefill, ws_prefill))
+    if decode is not None:
+        cu = decode.cu_seqlens
+        if cu is None:
+            cu = torch.arange(_tokens(decode, q) + 1, dtype=torch.int32, device=q.device)
+
+        def run_decode(ws):
+            torch.ops.flashkda.decode(
+                q, k, v, g, beta, out, state_pool, decode.state_indices, cu_seqlens=cu, **opts,
+                workspace=ws, token_rows=decode.token_rows)
+        calls.append(("decode", run_decode, ws_decode))
+    if spec is not None:
+        def run_spec(ws):
+            torch.ops.flashkda.decode(
+                q, k, v, g, beta, out, state_pool, spec.state_indices,
+                num_accepted_tokens=spec.num_accepted_tokens, cu_seqlens=spec.cu_seqlens, **opts, workspace=ws,
+                token_rows=spec.token_rows)
+        calls.append(("spec", run_spec, ws_spec))
+
+    # One group's call validates itself before it writes; with more, all are validated first, then
+    # (host tensors) that no two share a row of the step or a pool row.
+    if len(calls) > 1 and not torch.compiler.is_compiling():
+        stop = workspace[:4:2] if on_cuda else torch.empty(4, dtype=torch.uint8)[::2]
+        for group, call, _ in calls:
+            _call(group, call, stop, validate=True)
+        if not on_cuda:
+            _check_groups_cpu(q.shape[1], prefill, decode, spec)
+
+    if on_cuda:
         # Each op clears its own error word; clear those of the groups this step does not run, so that
         # read_step_errors() reports this step alone (an async memset: graph-safe, no host sync).
         for grp, ws in ((prefill, ws_prefill), (decode, ws_decode), (spec, ws_spec)):
             if grp is None:
                 torch.ops.flashkda.clear_device_error(ws)
-
-    opts = _op_options(scale, gate_mode, A_log, dt_bias, lower_bound, use_qk_l2norm, use_beta_sigmoid)
-
-    if prefill is not None:
-        torch.ops.flashkda.prefill(
-            q, k, v, g, beta, out, ws_prefill, **opts,
-            initial_state=state_pool, final_state=state_pool, cu_seqlens=prefill.cu_seqlens,
-            state_indices=prefill.state_indices, has_initial_state=prefill.has_initial_state,
-            token_rows=prefill.token_rows)
-    if decode is not None:
-        cu = decode.cu_seqlens
-        if cu is None:
-            cu = torch.arange(_tokens(decode, q) + 1, dtype=torch.int32, device=q.device)
-        torch.ops.flashkda.decode(
-            q, k, v, g, beta, out, state_pool, decode.state_indices, cu_seqlens=cu, **opts,
-            workspace=ws_decode, token_rows=decode.token_rows)
-    if spec is not None:
-        torch.ops.flashkda.decode(
-            q, k, v, g, beta, out, state_pool, spec.state_indices, num_accepted_tokens=spec.num_accepted_tokens,
-            cu_seqlens=spec.cu_seqlens, **opts, workspace=ws_spec, token_rows=spec.token_rows)
+    for group, call, ws in calls:
+        _call(group, call, ws)
     return result

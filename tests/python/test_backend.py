@@ -260,6 +260,35 @@ def test_torch_reference_path_matches_the_op(case):
     assert rel_err(h_ref, h_op.double()) < 1e-5
 
 
+def _torch_reference_chunk_kda(args, kw):
+    """chunk_kda's CUDA 'reference' path (the float64 PyTorch reference), called on CPU tensors."""
+    a = dict(scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+             use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False,
+             lower_bound=None, state_v_first=False, cu_seqlens=None, A_log=None, dt_bias=None)
+    a.update(kw)
+    return FC._flashkda_chunk_kda(*args, *a.values(), {}, torch_reference=True)
+
+
+@pytest.mark.parametrize("change", [
+    dict(cu_seqlens=torch.tensor([0, 9, 5, 14], dtype=torch.int32)),   # decreasing
+    dict(cu_seqlens=torch.tensor([0, 5, 5, 20], dtype=torch.int32)),   # past T (an index out of range)
+    dict(cu_seqlens=torch.tensor([0, 5, 5, 12], dtype=torch.int32)),   # ends before T
+    dict(cu_seqlens=torch.tensor([2, 5, 5, 14], dtype=torch.int32)),   # does not start at 0
+    dict(cu_seqlens=torch.tensor([0.0, 5.0, 5.0, 14.0])),              # not an index dtype
+    dict(scale=0.0),                                                    # fla would take it as given
+], ids=["decreasing", "past_T", "short", "start", "dtype", "scale_zero"])
+def test_torch_reference_path_checks_like_the_op(change):
+    """The CUDA 'reference' backend indexes with cu_seqlens: it checks them first (host copy), as the op."""
+    _, args, kw = _kimi_call()
+    kw.update(change)
+    with pytest.raises(ValueError) as op_error:
+        flashkda.chunk_kda(*args, backend="reference", **kw)
+    with pytest.raises(ValueError) as ref_error:
+        _torch_reference_chunk_kda(args, kw)
+    assert str(ref_error.value) == str(op_error.value)
+    assert str(op_error.value).startswith("flashkda: argument '" + next(iter(change)) + "': expected ")
+
+
 def test_select_backend_is_generic():
     q = torch.zeros(1, 3, 2, 64, dtype=BF16)
     with pytest.raises(ValueError, match="kind"):
@@ -376,6 +405,14 @@ def _fake_fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=
     return o.to(v.dtype), ht.float()
 
 
+def _triton_selected(kind, q, k, v, *, backend=None, fn=None, tensors=None, unsupported=(), triton_unsupported=(),
+                     evaluate_all=False):
+    """select_backend's stand-in that takes the triton backend for a plain decode (CPU tensors included)."""
+    assert kind == "decode" and not triton_unsupported
+    return FB.Selection(kind=kind, fn=fn, backend="triton", requested="triton", source="argument",
+                        device=q.device.type, reasons={"triton": None})
+
+
 @pytest.mark.parametrize("case", ["varlen_token_rows", "fixed_bf16_pool", "softplus"])
 def test_decode_triton_path(monkeypatch, case):
     """The triton backend's plumbing (gather, per-request states, padding, write-back), on CPU tensors with
@@ -402,13 +439,7 @@ def test_decode_triton_path(monkeypatch, case):
     kw = dict(cu_seqlens=inp["cu_seqlens"], A_log=inp["A_log"], dt_bias=inp["dt_bias"], gate_mode=gate_mode,
               token_rows=token_rows)
 
-    def fake_select(kind, q, k, v, *, backend=None, fn=None, tensors=None, unsupported=(), triton_unsupported=(),
-                    evaluate_all=False):
-        assert kind == "decode" and not triton_unsupported
-        return FB.Selection(kind=kind, fn=fn, backend="triton", requested="triton", source="argument",
-                            device=q.device.type, reasons={"triton": None})
-
-    monkeypatch.setattr(FD, "select_backend", fake_select)
+    monkeypatch.setattr(FD, "select_backend", _triton_selected)
     monkeypatch.setattr(FD, "fla_function", lambda kind: _fake_fused_recurrent_kda)
     p1, p2 = pool.clone(), pool.clone()
     o1 = torch.full(out_shape, 7.0, dtype=BF16)
@@ -442,6 +473,30 @@ def test_decode_torch_reference_path_matches_the_op():
     flashkda.decode(*big, p2, idx, o2, backend="reference", **{k_: v_ for k_, v_ in opts.items() if k_ != "scale"})
     assert rel_err(o1, o2.double()) < 1e-2 and torch.equal(o1 == 7.0, o2 == 7.0)
     assert rel_err(p1, p2.double()) < 1e-5
+
+
+def test_decode_triton_path_scale(monkeypatch):
+    """fla takes None for K^-0.5: flashkda's 0 (like None) is passed as None, a negative scale is refused
+    before fla runs (the wrapper used to pass K^-0.5 for it silently)."""
+    _, args, kw = _decode_call()
+    seen = []
+
+    def recording_fla(*a, scale=None, **k):
+        seen.append(scale)
+        return _fake_fused_recurrent_kda(*a, scale=scale, **k)
+
+    monkeypatch.setattr(FD, "select_backend", _triton_selected)
+    monkeypatch.setattr(FD, "fla_function", lambda kind: recording_fla)
+    pool = args[5]
+    before = pool.clone()
+    out = torch.full((1, 3, 2, 64), 7.0, dtype=BF16)
+    with pytest.raises(ValueError, match=r"^flashkda: argument 'scale': expected a finite value > 0, or 0 for "
+                                         r"K\^-0\.5, got -0\.5$"):
+        flashkda.decode(*args, out, backend="triton", scale=-0.5, **kw)
+    assert seen == [] and torch.all(out == 7.0) and torch.equal(pool, before)
+    for scale in (None, 0.0, 0.25):
+        flashkda.decode(*args[:5], before.clone(), args[6], backend="triton", scale=scale, **kw)
+    assert seen == [None, None, 0.25]
 
 
 @pytest.mark.parametrize("old", [False, True])

@@ -216,3 +216,70 @@ def test_inference_mode_and_no_grad_ok():
     assert torch.equal(o1, o2)
     ref = F.normalize(inp["q"].float(), dim=-1)  # (sanity: inputs were pre-normalised)
     assert torch.allclose(ref, inp["q"].float(), atol=1e-2)
+
+
+def _kimi_args(seed, lens=(3, 5)):
+    gen = torch.Generator().manual_seed(seed)
+    inp = make_inputs(list(lens), H=2, D=64, generator=gen)
+    args = [inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"]]
+    kw = dict(cu_seqlens=inp["cu_seqlens"], A_log=inp["A_log"], dt_bias=inp["dt_bias"].flatten(), **KIMI)
+    return inp, args, kw
+
+
+# (id, change of (args, kw), the message): a wrong type or rank named before anything reads it
+TYPE_RANK_CASES = [
+    ("cu_seqlens_0d", lambda a, kw: kw.update(cu_seqlens=torch.tensor(0, dtype=torch.int32)),
+     r"argument 'cu_seqlens': expected rank 1 \[N\+1\], got rank 0 \[\]$"),
+    ("cu_seqlens_empty", lambda a, kw: kw.update(cu_seqlens=torch.zeros(0, dtype=torch.int32), output_final_state=True),
+     r"argument 'cu_seqlens': expected at least 1 element \[N\+1\], got \[0\]$"),
+    ("cu_seqlens_2d",
+     lambda a, kw: kw.update(cu_seqlens=kw["cu_seqlens"][None], initial_state=torch.zeros(2, 2, 64, 64)),
+     r"argument 'cu_seqlens': expected rank 1 \[N\+1\], got rank 2 \[1, 3\]$"),
+    ("cu_seqlens_list", lambda a, kw: kw.update(cu_seqlens=[0, 3, 8]),
+     r"argument 'cu_seqlens': expected a tensor \[N\+1\], got list$"),
+    ("initial_state_0d", lambda a, kw: kw.update(initial_state=torch.tensor(1.0)),
+     r"argument 'initial_state': expected rank 4 \[N, H, K, V\], got rank 0 \[\]$"),
+    ("initial_state_3d_v_first", lambda a, kw: kw.update(initial_state=torch.zeros(2, 64, 64), state_v_first=True),
+     r"argument 'initial_state': expected rank 4 \[N, H, V, K\], got rank 3 \[2, 64, 64\]$"),
+    ("initial_state_heads", lambda a, kw: kw.update(initial_state=torch.zeros(2, 3, 64, 64)),
+     r"argument 'initial_state': expected shape \[2, 2, 64, 64\] \(N, H, K, V\): one state per sequence, "
+     r"got \[2, 3, 64, 64\]$"),
+    ("A_log_list", lambda a, kw: kw.update(A_log=[0.0, 0.0]),
+     r"argument 'A_log': expected a tensor \[H\] or None, got list$"),
+    ("dt_bias_float", lambda a, kw: kw.update(dt_bias=0.5),
+     r"argument 'dt_bias': expected a tensor \[H \* K\] or None, got float$"),
+    ("q_list", lambda a, kw: a.__setitem__(0, [[0.0]]), r"argument 'q': expected a tensor \[B, T, H, K\], got list$"),
+    ("q_3d", lambda a, kw: a.__setitem__(0, a[0][0]),
+     r"argument 'q': expected rank 4 \[B, T, H, K\], got rank 3 \[8, 2, 64\]$"),
+    ("v_5d", lambda a, kw: a.__setitem__(2, a[2][None]), r"argument 'v': expected rank 4 \[B, T, H, V\], got rank 5"),
+]
+
+
+@pytest.mark.parametrize("change,match", [c[1:] for c in TYPE_RANK_CASES], ids=[c[0] for c in TYPE_RANK_CASES])
+def test_argument_types_and_ranks(change, match):
+    _, args, kw = _kimi_args(30)
+    change(args, kw)
+    with pytest.raises(ValueError, match="^flashkda: " + match):
+        flashkda.chunk_kda(*args, **kw)
+
+
+def test_state_v_first_with_transpose_state_layout():
+    inp, args, kw = _kimi_args(31)
+    with pytest.raises(ValueError, match=r"pass either 'state_v_first' or the deprecated 'transpose_state_layout', "
+                                         "not both"):
+        flashkda.chunk_kda(*args, initial_state=inp["initial_state"], state_v_first=True,
+                           transpose_state_layout=True, **kw)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.125, float("nan"), float("inf")])
+def test_scale_must_be_positive_or_none(scale):
+    """fla multiplies by the scale it is given (0: a zero q-scale); the ops read 0 as K^-0.5 and refuse a
+    negative one.  chunk_kda, fla's drop-in, takes only what both read alike: None or a positive scale."""
+    _, args, kw = _kimi_args(32)
+    with pytest.raises(ValueError, match=r"^flashkda: argument 'scale': expected None \(K\^-0\.5\) or a finite value "
+                                         r"> 0 \(fla's chunk_kda would use it as given; flashkda supports only "
+                                         r"positive scales or None\), got "):
+        flashkda.chunk_kda(*args, scale=scale, **kw)
+    o_none, _ = flashkda.chunk_kda(*args, **kw)
+    o_pos, _ = flashkda.chunk_kda(*args, scale=64 ** -0.5, **kw)
+    assert torch.equal(o_none, o_pos)

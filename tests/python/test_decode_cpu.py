@@ -1,7 +1,9 @@
 """flashkda.decode (recurrent decode / speculative decode on a state pool) and prefill checkpoint
 states, on CPU, against the float64 reference (flashkda.reference.decode / prefill)."""
 
+import importlib
 import random
+import re
 
 import pytest
 import torch
@@ -265,8 +267,25 @@ def varlen_too_few_slots(a, kw):
     kw["cu_seqlens"] = torch.tensor([0, 3, 3, 3], dtype=torch.int32)
 
 
+def varlen_plain(cu, token_rows=None):
+    """Plain decode (1-D indices [0, 1, 2]) of the varlen layout's 3 rows, with `cu` (and token_rows)."""
+    def f(a, kw):
+        varlen_layout(a, kw)
+        a["ssm_state_indices"] = torch.tensor([0, 1, 2])
+        kw.pop("num_accepted_tokens")
+        kw.update(cu_seqlens=torch.tensor(cu, dtype=torch.int32), token_rows=token_rows)
+    return f
+
+
+def out_in_pool(a, kw):
+    """out made of the pool's first bytes (the pool is poisoned too: nothing may be written)."""
+    out = a["out"]
+    a["out"] = a["state_pool"].view(-1).view(BF16)[:out.numel()].view(out.shape)
+
+
 IDX = "ssm_state_indices"
 ACC = "num_accepted_tokens"
+# (id, mutation, argument named[, what the message must also say])
 CASES = [
     ("index_ge_P_2d", setter("a", ssm_state_indices=torch.tensor([[0, 1], [2, 8], [4, 5]])), IDX),
     ("index_ge_P_1d", plain(torch.tensor([0, 9, 1])), IDX),
@@ -294,11 +313,31 @@ CASES = [
     ("gate_mode", setter("kw", gate_mode="tanh"), "gate_mode"),
     ("lower_bound", setter("kw", lower_bound=-7.0), "lower_bound"),
     ("cu_seqlens_batch", setter("kw", cu_seqlens=torch.tensor([0, 1, 2, 2], dtype=torch.int32)), "cu_seqlens"),
+    ("cu_seqlens_decreasing", varlen_plain([0, 2, 1, 3]), "cu_seqlens", r"non-decreasing values"),
+    ("cu_seqlens_end", varlen_plain([0, 1, 2, 2]), "cu_seqlens", r"cu_seqlens\[3\] == T = 3, got 2$"),
+    ("token_rows_range", varlen_plain([0, 1, 2, 3], torch.tensor([0, 1, 3])), "token_rows",
+     r"values in \[0, 3\) .*, got token_rows\[2\] = 3$"),
+    ("token_rows_duplicate", varlen_plain([0, 1, 2, 3], torch.tensor([0, 2, 2])), "token_rows",
+     r"distinct values .*, got token_rows\[2\] = token_rows\[1\] = 2$"),
+    ("out_shares_pool", out_in_pool, "out",
+     r"expected no memory shared with state_pool, got an overlap with state_pool$"),
+    ("num_accepted_rank2", setter("kw", num_accepted_tokens=torch.tensor([[1], [2], [1]])), ACC,
+     r"expected rank 1 \[N\], got rank 2 \[3, 1\]$"),
+    ("num_accepted_strided", setter("kw", num_accepted_tokens=torch.tensor([1, 0, 2, 0, 1, 0])[::2]), ACC,
+     r"expected a contiguous tensor, got strides \[2\]$"),
+    ("indices_1d_strided", plain(torch.tensor([0, 9, 1, 9, 2, 9])[::2]), IDX,
+     r"expected a contiguous tensor, got strides \[2\]$"),
+    ("q_int16", setter("a", q=torch.zeros(N_BAD, 2, H, D, dtype=torch.int16)), "q",
+     r"expected dtype bfloat16, got int16$"),
 ]
 
 
-@pytest.mark.parametrize("mutate,arg", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_decode_bad_input(mutate, arg):
+def _case_params(cases):
+    return [(c[1], c[2], c[3] if len(c) > 3 else "") for c in cases]
+
+
+@pytest.mark.parametrize("mutate,arg,match", _case_params(CASES), ids=[c[0] for c in CASES])
+def test_decode_bad_input(mutate, arg, match):
     a, kw = bad_base()
     mutate(a, kw)
     out, pool = a["out"], a["state_pool"]
@@ -308,8 +347,39 @@ def test_decode_bad_input(mutate, arg):
                                   **kw)
     msg = str(info.value)
     assert f"flashkda: argument '{arg}': expected " in msg, msg
+    assert re.search(match, msg), msg
     assert torch.equal(out, out_before)
     assert torch.equal(pool, pool_before)
+
+
+FD = importlib.import_module("flashkda.decode")  # (the attribute flashkda.decode is the function)
+# The paths that run CUDA tensors without the op (backend "reference": the float64 PyTorch reference;
+# "triton": fla's fused_recurrent_kda) check what the op checks, in its words, except what they do
+# not need: they take any floating dtype and any strides, and the gate is the reference's own.
+NOT_FALLBACK_RULES = {"q_dtype", "q_int16", "out_dtype", "pool_dtype", "pool_transposed", "A_log_missing", "gate_mode",
+                      "lower_bound", "num_accepted_strided", "indices_1d_strided"}
+FALLBACK_CASES = [c for c in CASES if c[0] not in NOT_FALLBACK_RULES]
+
+
+@pytest.mark.parametrize("path", ["reference", "triton"])
+@pytest.mark.parametrize("mutate", [c[1] for c in FALLBACK_CASES], ids=[c[0] for c in FALLBACK_CASES])
+def test_decode_fallback_paths_check_like_the_op(monkeypatch, path, mutate):
+    a, kw = bad_base()
+    mutate(a, kw)
+    out, pool = a["out"], a["state_pool"]
+    out_before, pool_before = out.clone(), pool.clone()
+    args = (a["q"], a["k"], a["v"], a["g"], a["beta"])
+    with pytest.raises(ValueError) as op_error:
+        torch.ops.flashkda.decode(*args, out, pool, a["ssm_state_indices"], **kw)
+    monkeypatch.setattr(FD, "fla_function", lambda kind: pytest.fail("fla reached with invalid arguments"))
+    opts = dict(num_accepted_tokens=None, cu_seqlens=None, scale=None, gate_mode="bounded", lower_bound=-5.0,
+                use_qk_l2norm=True, use_beta_sigmoid=True, token_rows=None)
+    opts.update(kw)
+    run = FD._torch_reference_decode if path == "reference" else FD._triton_decode
+    with pytest.raises(ValueError) as info:
+        run(*args, pool, a["ssm_state_indices"], out, **opts)
+    assert str(info.value) == str(op_error.value)
+    assert torch.equal(out, out_before) and torch.equal(pool, pool_before)
 
 
 def test_decode_bad_input_base_is_valid():
@@ -428,6 +498,20 @@ def test_checkpoint_bad_input(change, arg):
     assert f"flashkda: argument '{arg}': expected " in str(info.value), str(info.value)
     for t, b in zip(written, before):
         assert torch.equal(t, b)
+
+
+def test_checkpoint_state_overlapping_initial_state_is_refused():
+    gen = torch.Generator().manual_seed(54)
+    inp = make_inputs([4, 6], H=H, D=D, generator=gen)
+    buf = torch.full((2, 2, H, D, D), SENTINEL)  # checkpoint_state; its first row is also initial_state
+    out = torch.full(inp["v"].shape, SENTINEL, dtype=BF16)
+    fs = torch.full((2, H, D, D), SENTINEL)
+    with pytest.raises(ValueError, match=r"^flashkda: argument 'checkpoint_state': expected no memory shared with "
+                                         r"initial_state, got an overlap$"):
+        flashkda.prefill(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], out, **gate_kwargs(inp),
+                         initial_state=buf[0], final_state=fs, cu_seqlens=inp["cu_seqlens"],
+                         checkpoint_offsets=torch.tensor([[0, 4], [2, 6]]), checkpoint_state=buf)
+    assert torch.all(buf == SENTINEL) and torch.all(out == SENTINEL) and torch.all(fs == SENTINEL)
 
 
 # ---------------------------------------------------------------------------------------------

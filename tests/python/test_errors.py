@@ -1,5 +1,7 @@
 """Bad inputs: ValueError / NotImplementedError naming the argument, and nothing written."""
 
+import re
+
 import pytest
 import torch
 
@@ -52,6 +54,11 @@ def overlapping_state(a, kw):
     kw["final_state"] = buf[10:10 + 2 * H * D * D].view(2, H, D, D)
 
 
+def out_in_final_state(a, kw):
+    """out made of final_state's first bytes (final_state is poisoned too: nothing may be written)."""
+    a["out"] = kw["final_state"].view(-1).view(BF16)[:T * H * D].view(1, T, H, D)
+
+
 def state_pool(indices, P=4, has=None):
     def f(a, kw):
         kw["initial_state"] = torch.zeros(P, H, D, D)
@@ -62,7 +69,7 @@ def state_pool(indices, P=4, has=None):
     return f
 
 
-# (id, mutation, exception, argument named in the message)
+# (id, mutation, exception, argument named in the message[, what the message must also say])
 CASES = [
     ("q_dtype", set_args(q=torch.randn(1, T, H, D)), ValueError, "q"),
     ("q_rank", set_args(q=bf(T, H, D)), ValueError, "q"),
@@ -116,11 +123,23 @@ CASES = [
      "has_initial_state"),
     ("has_initial_state_len", set_kw(has_initial_state=torch.tensor([True, False, True])), ValueError,
      "has_initial_state"),
+    ("has_initial_state_without_initial_state",
+     set_kw(initial_state=None, has_initial_state=torch.tensor([True, False])), ValueError, "has_initial_state",
+     r"expected initial_state to be given with it \(.*\), got no initial_state$"),
+    ("q_int16", set_args(q=torch.zeros(1, T, H, D, dtype=torch.int16)), ValueError, "q",
+     r"expected dtype bfloat16, got int16$"),
+    ("A_log_not_contiguous", set_kw(A_log=torch.rand(2 * H)[::2]), ValueError, "A_log",
+     r"expected a contiguous tensor, got strides \[2\]$"),
+    ("dt_bias_not_contiguous", set_kw(dt_bias=torch.rand(D, H).t()), ValueError, "dt_bias",
+     r"expected a contiguous tensor, got strides \[1, 2\]$"),
+    ("out_shares_final_state", out_in_final_state, ValueError, "out",
+     r"expected no memory shared with final_state, got an overlap with final_state$"),
 ]
 
 
-@pytest.mark.parametrize("mutate,exc,arg", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_input(mutate, exc, arg):
+@pytest.mark.parametrize("mutate,exc,arg,match", [(c[1], c[2], c[3], c[4] if len(c) > 4 else "") for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_bad_input(mutate, exc, arg, match):
     a, kw = base()
     mutate(a, kw)
     out, fs = a["out"], kw["final_state"]
@@ -131,6 +150,7 @@ def test_bad_input(mutate, exc, arg):
     msg = str(info.value)
     assert f"'{arg}'" in msg, msg
     assert msg.count("flashkda") >= 1
+    assert re.search(match, msg), msg
     assert torch.equal(out, out_before)
     if fs is not None:
         assert torch.equal(fs, fs_before)

@@ -214,3 +214,33 @@ def test_reference_self_consistency():
         torch.testing.assert_close(o1, out[:, cu[n]:cu[n + 1]], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(f1[0], fin[n], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(fin[1], inp["initial_state"][1].double(), rtol=0, atol=0)
+
+
+def test_scale_rule_of_the_reference_and_the_ops():
+    """None or 0: K^-0.5; a negative or non-finite scale: ValueError naming it, in the op's words (the
+    reference used to replace a negative one by K^-0.5 silently)."""
+    gen = torch.Generator().manual_seed(14)
+    inp = make_inputs([3, 4], H=2, D=64, generator=gen)
+    args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"])
+    for bad in (-0.5, float("-inf"), float("nan")):
+        with pytest.raises(ValueError, match=r"^flashkda: argument 'scale': expected a finite value > 0, or 0 for "
+                                             r"K\^-0\.5, got ") as op_error:
+            flashkda.prefill(*args, scale=bad, **op_kwargs(inp))
+        with pytest.raises(ValueError) as ref_error:
+            reference(inp, scale=bad)
+        assert str(ref_error.value) == str(op_error.value)
+        pool = torch.zeros(4, 2, 64, 64)
+        with pytest.raises(ValueError, match="argument 'scale'"):
+            flashkda.reference.decode(*args, pool, torch.tensor([0, 1]), cu_seqlens=inp["cu_seqlens"], scale=bad,
+                                      A_log=inp["A_log"], dt_bias=inp["dt_bias"])
+    out0, _ = reference(inp, scale=0.0)
+    out_default, _ = reference(inp)
+    assert torch.equal(out0, out_default)
+    assert torch.equal(flashkda.prefill(*args, scale=0.0, **op_kwargs(inp)), flashkda.prefill(*args, **op_kwargs(inp)))
+
+
+def test_device_error_names():
+    assert flashkda.DEVICE_ERRORS[6] == (
+        "two sequences share a state_indices row (prefill), or ssm_state_indices writes a pool row twice, or a row "
+        "one request writes is read by another (decode)")
+    assert sorted(flashkda.DEVICE_ERRORS) == list(range(7))

@@ -231,9 +231,67 @@ def test_kda_step_bad_token_rows(group):
     setattr(step, group, type(grp)(**dict(grp.__dict__, token_rows=rows)))
     pool = new_pool(gen)
     out, p = _poisoned(step, pool)
-    with pytest.raises(ValueError, match=r"flashkda: argument 'token_rows': expected values in \[0, "):
+    with pytest.raises(ValueError, match=rf"flashkda: argument '{group}.token_rows': expected values in \[0, "):
         run_kda_step(step, p, out=out)
     assert torch.all(out == SENTINEL) and torch.equal(p, pool)
+
+
+def _replace(step, group, **fields):
+    grp = getattr(step, group)
+    setattr(step, group, type(grp)(**dict(grp.__dict__, **fields)))
+
+
+# (id, group, change of its fields, the message: kda_step's argument names); every one in a group that
+# runs after another, whose call used to write out and the pool before the error
+LATER_GROUP_CASES = [
+    ("spec_num_accepted_range", "spec", lambda grp: dict(num_accepted_tokens=grp.num_accepted_tokens + 9),
+     r"argument 'spec\.num_accepted_tokens': expected values in \[1, 4\] .*, got spec\.num_accepted_tokens\[0\] = "),
+    ("spec_cu_seqlens_end", "spec", lambda grp: dict(cu_seqlens=grp.cu_seqlens[:-1]),
+     r"argument 'spec\.cu_seqlens': expected spec\.cu_seqlens\[3\] == T = 10 \(the length of spec\.token_rows\)"),
+    ("spec_state_indices_rank", "spec", lambda grp: dict(state_indices=grp.state_indices[..., None]),
+     r"argument 'spec\.state_indices': expected rank 1 \[N\] or rank 2 \[N, S\], got rank 3"),
+    ("decode_state_index_range", "decode", lambda grp: dict(state_indices=grp.state_indices + P),
+     r"argument 'decode\.state_indices': expected values < P = 26 .*, got decode\.state_indices\[0\] = "),
+    ("decode_token_rows_dtype", "decode", lambda grp: dict(token_rows=grp.token_rows.float()),
+     r"argument 'decode\.token_rows': expected dtype int32 or int64, got float32"),
+    ("decode_cu_seqlens_start", "decode", lambda grp: dict(cu_seqlens=grp.cu_seqlens + 1),
+     r"argument 'decode\.cu_seqlens': expected decode\.cu_seqlens\[0\] == 0, got 1"),
+]
+
+
+@pytest.mark.parametrize("group,change,match", [c[1:] for c in LATER_GROUP_CASES],
+                         ids=[c[0] for c in LATER_GROUP_CASES])
+def test_kda_step_validates_every_group_before_running_any(group, change, match):
+    gen = torch.Generator().manual_seed(42)
+    step = make_step(mixed_plan(seed=14), H, D, gen)
+    _replace(step, group, **change(getattr(step, group)))
+    pool = new_pool(gen)
+    out, p = _poisoned(step, pool)
+    with pytest.raises(ValueError, match="flashkda: " + match):
+        run_kda_step(step, p, out=out)
+    assert torch.all(out == SENTINEL) and torch.equal(p, pool)
+
+
+def test_kda_step_errors_name_its_own_arguments():
+    """The ops' messages name their arguments (initial_state, ssm_state_indices, ...): kda_step's say
+    state_pool, decode.state_indices, ..., and the group of a shared argument."""
+    gen = torch.Generator().manual_seed(43)
+    step = make_step(StepPlan(prefill=[(3, 1, True)], decode=[2, 4], extra_rows=1, seed=5), H, D, gen)
+    pool = new_pool(gen).half()  # neither float32 nor bfloat16: the prefill group's call rejects it first
+    out, p = _poisoned(step, pool)
+    with pytest.raises(ValueError, match=r"^flashkda: argument 'state_pool': expected dtype float32 or bfloat16, "
+                                         r"got float16 \(in kda_step's prefill group\)$"):
+        run_kda_step(step, p, out=out)
+    assert torch.all(out == SENTINEL) and torch.equal(p, pool)
+    # the flat layout: every token tensor in it, out included
+    x = step.inputs
+    with pytest.raises(ValueError, match=r"argument 'out': expected rank 3 \[R, H, V\] \(the flat layout of q\), "
+                                         r"got rank 4"):
+        flashkda.kda_step(x["q"][0], x["k"][0], x["v"][0], x["g"][0], x["beta"][0], out, new_pool(gen),
+                          **step.gate, decode=step.decode)
+    assert torch.all(out == SENTINEL)
+    with pytest.raises(ValueError, match=r"argument 'state_pool': expected a tensor \[P, H, V, K\], got list"):
+        flashkda.kda_step(x["q"], x["k"], x["v"], x["g"], x["beta"], out, [0.0], **step.gate, decode=step.decode)
 
 
 # ---------------------------------------------------------------------------------------------

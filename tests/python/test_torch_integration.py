@@ -140,6 +140,19 @@ def test_get_workspace_size():
     assert flashkda.new_workspace(torch.empty(1, 2, 3, 64)).numel() == 0  # CPU needs none
 
 
+@pytest.mark.parametrize("sizes,match", [
+    ((-1, 4, 1), r"argument 'T_total': expected >= 0, got -1$"),
+    ((10, 0, 1), r"argument 'H': expected >= 1, got 0$"),
+    ((10, 4, -2), r"argument 'N': expected a sequence count >= 0 \(0 is sized as 1\), got -2$"),
+], ids=["T_total", "H", "N"])
+def test_get_workspace_size_argument_errors(sizes, match):
+    with pytest.raises(ValueError, match="^flashkda: " + match):
+        flashkda.get_workspace_size(*sizes)
+    with pytest.raises(ValueError, match=r"^flashkda: argument 'N': expected >= 1, got 0$"):
+        torch.ops.flashkda.get_workspace_size(10, 4, 0)  # the op itself; the wrapper sizes N = 0 as 1
+    assert flashkda.get_workspace_size(10, 4, 0) == flashkda.get_workspace_size(10, 4, 1)
+
+
 @pytest.mark.parametrize("fn", ["fwd", "prefill", "chunk_kda"])
 @pytest.mark.parametrize("which", ["q", "g", "A_log"])
 def test_requires_grad_raises(fn, which):
