@@ -88,7 +88,9 @@ const char* device_error_name(DeviceError e) {
     case DeviceError::kBadAcceptedCount:
       return "num_accepted_tokens holds a value outside [1, S]";
     case DeviceError::kStateSlotConflict:
-      return "ssm_state_indices writes a pool row twice, or a row one request writes is read by another";
+      return "two sequences share a state_indices row (prefill), or ssm_state_indices writes a pool row "
+             "twice, "
+             "or a row one request writes is read by another (decode)";
   }
   return "unknown device error";
 }

@@ -185,6 +185,26 @@ flashkda::Stream current_stream(const at::Tensor& q) {
   return nullptr;
 }
 
+// The prefill params of an op call (every prefill op, and prefill_check, builds them here).
+flashkda::PrefillParams prefill_params(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+    const at::Tensor& beta, const at::Tensor& out, const c10::optional<at::Tensor>& A_log,
+    const c10::optional<at::Tensor>& dt_bias, const c10::optional<at::Tensor>& initial_state,
+    const c10::optional<at::Tensor>& final_state, const c10::optional<at::Tensor>& cu_seqlens,
+    const c10::optional<at::Tensor>& state_indices, const c10::optional<at::Tensor>& has_initial_state,
+    const c10::optional<at::Tensor>& checkpoint_offsets, const c10::optional<at::Tensor>& checkpoint_state,
+    const c10::optional<at::Tensor>& token_rows, const Options& opt) {
+  flashkda::PrefillParams p;
+  set_token_args(&p, q, k, v, g, beta, out, A_log, dt_bias, cu_seqlens, token_rows, opt);
+  p.initial_state = to_ref(initial_state, "initial_state");
+  p.final_state = to_ref(final_state, "final_state");
+  p.state_indices = to_ref(state_indices, "state_indices");
+  p.has_initial_state = to_ref(has_initial_state, "has_initial_state");
+  p.checkpoint_offsets = to_ref(checkpoint_offsets, "checkpoint_offsets");
+  p.checkpoint_state = to_ref(checkpoint_state, "checkpoint_state");
+  return p;
+}
+
 // The one path every prefill op takes.
 void run_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                  const at::Tensor& beta, const at::Tensor& out, const at::Tensor& workspace,
@@ -195,21 +215,13 @@ void run_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
                  const c10::optional<at::Tensor>& checkpoint_offsets,
                  const c10::optional<at::Tensor>& checkpoint_state,
                  const c10::optional<at::Tensor>& token_rows, const Options& opt) {
-  flashkda::PrefillParams p;
-  set_token_args(&p, q, k, v, g, beta, out, A_log, dt_bias, cu_seqlens, token_rows, opt);
-  p.initial_state = to_ref(initial_state, "initial_state");
-  p.final_state = to_ref(final_state, "final_state");
-  p.state_indices = to_ref(state_indices, "state_indices");
-  p.has_initial_state = to_ref(has_initial_state, "has_initial_state");
-  p.checkpoint_offsets = to_ref(checkpoint_offsets, "checkpoint_offsets");
-  p.checkpoint_state = to_ref(checkpoint_state, "checkpoint_state");
-
+  const flashkda::PrefillParams p =
+      prefill_params(q, k, v, g, beta, out, A_log, dt_bias, initial_state, final_state, cu_seqlens,
+                     state_indices, has_initial_state, checkpoint_offsets, checkpoint_state, token_rows, opt);
   flashkda::ProblemShape shape;
   throw_status(flashkda::can_implement(p, &shape));
 
-  // At least workspace_size() bytes on the GPU.  Every argument is judged before the workspace's
-  // layout: flashkda.serving.kda_step validates a group's call without running it by passing a
-  // non-contiguous workspace (see _VALIDATED there), here and in decode_impl.
+  // At least workspace_size() bytes on the GPU.
   const WorkspaceView ws = workspace_view(workspace, q);
   if (q.is_cuda()) {
     const size_t need = flashkda::workspace_size(shape.total_tokens, shape.H, shape.N, shape.K);
@@ -247,6 +259,54 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               state_indices, has_initial_state, checkpoint_offsets, checkpoint_state, token_rows, opt);
 }
 
+// prefill_check: what prefill would say of these arguments, without running it or needing a
+// workspace (flashkda.serving.kda_step checks every group of a step before the first one writes).
+void prefill_check_impl(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+    const at::Tensor& beta, const at::Tensor& out, double scale, c10::string_view gate_mode,
+    const c10::optional<at::Tensor>& A_log, const c10::optional<at::Tensor>& dt_bias, double lower_bound,
+    bool use_qk_l2norm, bool use_beta_sigmoid, const c10::optional<at::Tensor>& initial_state,
+    const c10::optional<at::Tensor>& final_state, const c10::optional<at::Tensor>& cu_seqlens,
+    const c10::optional<at::Tensor>& state_indices, const c10::optional<at::Tensor>& has_initial_state,
+    const c10::optional<at::Tensor>& checkpoint_offsets, const c10::optional<at::Tensor>& checkpoint_state,
+    const c10::optional<at::Tensor>& token_rows) {
+  const Options opt{parse_gate_mode(gate_mode), use_qk_l2norm, use_beta_sigmoid, scale, lower_bound};
+  throw_status(flashkda::can_implement(prefill_params(
+      q, k, v, g, beta, out, A_log, dt_bias, initial_state, final_state, cu_seqlens, state_indices,
+      has_initial_state, checkpoint_offsets, checkpoint_state, token_rows, opt)));
+}
+
+flashkda::DecodeParams decode_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const at::Tensor& g, const at::Tensor& beta, const at::Tensor& out,
+                                     const at::Tensor& state_pool, const at::Tensor& ssm_state_indices,
+                                     const c10::optional<at::Tensor>& num_accepted_tokens,
+                                     const c10::optional<at::Tensor>& cu_seqlens,
+                                     const c10::optional<at::Tensor>& A_log,
+                                     const c10::optional<at::Tensor>& dt_bias,
+                                     const c10::optional<at::Tensor>& token_rows, const Options& opt) {
+  flashkda::DecodeParams p;
+  set_token_args(&p, q, k, v, g, beta, out, A_log, dt_bias, cu_seqlens, token_rows, opt);
+  p.state_pool = to_ref(state_pool, "state_pool");
+  p.ssm_state_indices = to_ref(ssm_state_indices, "ssm_state_indices");
+  p.num_accepted_tokens = to_ref(num_accepted_tokens, "num_accepted_tokens");
+  return p;
+}
+
+// decode_check: what decode would say of these arguments, without running it (see prefill_check).
+void decode_check_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                       const at::Tensor& beta, const at::Tensor& out, const at::Tensor& state_pool,
+                       const at::Tensor& ssm_state_indices,
+                       const c10::optional<at::Tensor>& num_accepted_tokens,
+                       const c10::optional<at::Tensor>& cu_seqlens, double scale, c10::string_view gate_mode,
+                       const c10::optional<at::Tensor>& A_log, const c10::optional<at::Tensor>& dt_bias,
+                       double lower_bound, bool use_qk_l2norm, bool use_beta_sigmoid,
+                       const c10::optional<at::Tensor>& token_rows) {
+  const Options opt{parse_gate_mode(gate_mode), use_qk_l2norm, use_beta_sigmoid, scale, lower_bound};
+  throw_status(flashkda::can_implement_decode(decode_params(q, k, v, g, beta, out, state_pool,
+                                                            ssm_state_indices, num_accepted_tokens,
+                                                            cu_seqlens, A_log, dt_bias, token_rows, opt)));
+}
+
 // decode: the recurrent path on a state pool (flashkda/decode.h).  CPU tensors run the reference
 // (no workspace needed); CUDA tensors run the sm90 decode kernel and need `workspace` (at least
 // get_decode_workspace_size() bytes on q's device: the device error word lives there).
@@ -258,16 +318,12 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
                  double lower_bound, bool use_qk_l2norm, bool use_beta_sigmoid,
                  const c10::optional<at::Tensor>& workspace, const c10::optional<at::Tensor>& token_rows) {
   const Options opt{parse_gate_mode(gate_mode), use_qk_l2norm, use_beta_sigmoid, scale, lower_bound};
-  flashkda::DecodeParams p;
-  set_token_args(&p, q, k, v, g, beta, out, A_log, dt_bias, cu_seqlens, token_rows, opt);
-  p.state_pool = to_ref(state_pool, "state_pool");
-  p.ssm_state_indices = to_ref(ssm_state_indices, "ssm_state_indices");
-  p.num_accepted_tokens = to_ref(num_accepted_tokens, "num_accepted_tokens");
-
+  const flashkda::DecodeParams p =
+      decode_params(q, k, v, g, beta, out, state_pool, ssm_state_indices, num_accepted_tokens, cu_seqlens,
+                    A_log, dt_bias, token_rows, opt);
   throw_status(flashkda::can_implement_decode(p));
 
-  // The GPU needs at least workspace_size_decode() bytes (the device error word lives there).  The
-  // arguments are judged before the workspace's layout (see run_prefill: kda_step relies on it).
+  // The GPU needs at least workspace_size_decode() bytes (the device error word lives there).
   const bool has_ws = workspace.has_value() && workspace->defined();
   const WorkspaceView ws = has_ws ? workspace_view(*workspace, q) : WorkspaceView{};
   if (q.is_cuda()) {
@@ -371,6 +427,20 @@ TORCH_LIBRARY(flashkda, m) {
       "float lower_bound=-5.0, bool use_qk_l2norm=True, bool use_beta_sigmoid=True, "
       "Tensor(c!)? workspace=None, Tensor? token_rows=None) -> ()");
   m.def("get_decode_workspace_size() -> int", &flashkda_torch::get_decode_workspace_size);
+  // The argument checks of prefill / decode alone: nothing runs, nothing is written, no workspace.
+  m.def(
+      "prefill_check(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor out, *, float scale=0.0, "
+      "str gate_mode=\"bounded\", Tensor? A_log=None, Tensor? dt_bias=None, float lower_bound=-5.0, "
+      "bool use_qk_l2norm=True, bool use_beta_sigmoid=True, Tensor? initial_state=None, "
+      "Tensor? final_state=None, Tensor? cu_seqlens=None, Tensor? state_indices=None, "
+      "Tensor? has_initial_state=None, Tensor? checkpoint_offsets=None, Tensor? checkpoint_state=None, "
+      "Tensor? token_rows=None) -> ()");
+  m.def(
+      "decode_check(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor out, Tensor state_pool, "
+      "Tensor ssm_state_indices, *, Tensor? num_accepted_tokens=None, Tensor? cu_seqlens=None, "
+      "float scale=0.0, str gate_mode=\"bounded\", Tensor? A_log=None, Tensor? dt_bias=None, "
+      "float lower_bound=-5.0, bool use_qk_l2norm=True, bool use_beta_sigmoid=True, "
+      "Tensor? token_rows=None) -> ()");
   m.def("read_device_error(Tensor workspace) -> int");
   m.def("clear_device_error(Tensor(a!) workspace) -> ()");
   m.def("built_with_cuda() -> bool", &flashkda_torch::built_with_cuda);
@@ -380,6 +450,8 @@ TORCH_LIBRARY_IMPL(flashkda, CPU, m) {
   m.impl("fwd", &flashkda_torch::fwd_impl);
   m.impl("prefill", &flashkda_torch::prefill_impl);
   m.impl("decode", &flashkda_torch::decode_impl);
+  m.impl("prefill_check", &flashkda_torch::prefill_check_impl);
+  m.impl("decode_check", &flashkda_torch::decode_check_impl);
   m.impl("read_device_error", &flashkda_torch::read_device_error_cpu);
   m.impl("clear_device_error", &flashkda_torch::clear_device_error_cpu);
 }
@@ -391,6 +463,11 @@ TORCH_LIBRARY_IMPL(flashkda, CUDA, m) {
   m.impl("prefill",
          &OnDeviceOfQ<decltype(flashkda_torch::prefill_impl), &flashkda_torch::prefill_impl>::call);
   m.impl("decode", &OnDeviceOfQ<decltype(flashkda_torch::decode_impl), &flashkda_torch::decode_impl>::call);
+  m.impl(
+      "prefill_check",
+      &OnDeviceOfQ<decltype(flashkda_torch::prefill_check_impl), &flashkda_torch::prefill_check_impl>::call);
+  m.impl("decode_check",
+         &OnDeviceOfQ<decltype(flashkda_torch::decode_check_impl), &flashkda_torch::decode_check_impl>::call);
   m.impl("read_device_error", &flashkda_torch::read_device_error_cuda);
   m.impl("clear_device_error", &flashkda_torch::clear_device_error_cuda);
 }

@@ -189,14 +189,10 @@ def _check_groups_cpu(R: int, prefill: Optional[PrefillGroup], decode: Optional[
 #
 # Each group is one op call, and an op checks all its arguments before it writes anything; but a
 # later group's call would check its own only after the earlier groups' calls wrote out and the pool.
-# So with more than one group every call is first made as a validation only: the op judges every
-# argument (for CPU tensors the index values too) before it looks at the workspace's layout, and a
-# non-contiguous workspace stops it there, nothing written (csrc/torch/flashkda_ops.cpp: run_prefill
-# and decode_impl call can_implement, then workspace_view).  The op stays the one judge of its
-# arguments.  Cost: one host-side check per group (an exception: some 25 us, on CPU and on CUDA),
-# in eager steps only (a captured CUDA graph replays the kernels alone).
-
-_VALIDATED = "flashkda: argument 'workspace': expected a contiguous tensor"  # the stop above
+# So with more than one group every group's arguments are first judged by the op's own checks alone
+# (torch.ops.flashkda.prefill_check / decode_check: can_implement, for CPU tensors the index values
+# too; nothing runs).  The ops stay the one judge of their arguments.  Cost: one host-side check per
+# group in eager steps (a captured CUDA graph replays the kernels alone).
 
 # The kda_step name of each op argument a group's call is given (an op's message names its own
 # arguments); the shared ones (q, k, v, g, beta, out, state_pool, A_log, scale, ...) keep theirs.
@@ -224,23 +220,17 @@ def _in_step_terms(e: Exception, group: str) -> Exception:
     return type(e)(msg)
 
 
-def _call(group: str, call, workspace: Optional[Tensor], validate: bool = False) -> None:
-    """``group``'s op call on ``workspace``, its errors in kda_step's terms.  ``validate``: the
-    workspace is the stop above, and stopping there means every argument passed."""
+def _call(group: str, call) -> None:
+    """``group``'s op call (a run or a check), its errors in kda_step's terms."""
     if torch.compiler.is_compiling():  # traced: the fake kernels raise nothing
-        call(workspace)
+        call()
         return
     try:
-        call(workspace)
+        call()
     except _OP_ERRORS as e:
         if type(e) not in _OP_ERRORS:  # (a subclass, e.g. out of memory: not an argument error)
             raise
-        if validate and str(e).startswith(_VALIDATED):
-            return
         raise _in_step_terms(e, group) from None
-    if validate:
-        raise RuntimeError(f"flashkda.kda_step: the validation call of the {group} group ran the op (it no "
-                           "longer stops at a non-contiguous workspace); out and state_pool may have been written")
 
 
 # ---- the step ---------------------------------------------------------------------------------------
@@ -324,40 +314,36 @@ def kda_step(
 
     opts = _op_options(scale, gate_mode, A_log, dt_bias, lower_bound, use_qk_l2norm, use_beta_sigmoid)
 
-    # The groups' calls, each given its workspace (region) by the caller: (group, call, workspace).
+    # The groups' calls: (group, run on its workspace region, the op's checks alone).
     calls = []
     if prefill is not None:
-        def run_prefill(ws):
-            torch.ops.flashkda.prefill(
-                q, k, v, g, beta, out, ws, **opts,
-                initial_state=state_pool, final_state=state_pool, cu_seqlens=prefill.cu_seqlens,
-                state_indices=prefill.state_indices, has_initial_state=prefill.has_initial_state,
-                token_rows=prefill.token_rows)
-        calls.append(("prefill", run_prefill, ws_prefill))
+        pre = dict(initial_state=state_pool, final_state=state_pool, cu_seqlens=prefill.cu_seqlens,
+                   state_indices=prefill.state_indices, has_initial_state=prefill.has_initial_state,
+                   token_rows=prefill.token_rows, **opts)
+        calls.append(("prefill", lambda: torch.ops.flashkda.prefill(q, k, v, g, beta, out, ws_prefill, **pre),
+                      lambda: torch.ops.flashkda.prefill_check(q, k, v, g, beta, out, **pre)))
     if decode is not None:
         cu = decode.cu_seqlens
         if cu is None:
             cu = torch.arange(_tokens(decode, q) + 1, dtype=torch.int32, device=q.device)
-
-        def run_decode(ws):
-            torch.ops.flashkda.decode(
-                q, k, v, g, beta, out, state_pool, decode.state_indices, cu_seqlens=cu, **opts,
-                workspace=ws, token_rows=decode.token_rows)
-        calls.append(("decode", run_decode, ws_decode))
+        dec = dict(cu_seqlens=cu, token_rows=decode.token_rows, **opts)
+        calls.append(("decode", lambda: torch.ops.flashkda.decode(
+                          q, k, v, g, beta, out, state_pool, decode.state_indices, workspace=ws_decode, **dec),
+                      lambda: torch.ops.flashkda.decode_check(
+                          q, k, v, g, beta, out, state_pool, decode.state_indices, **dec)))
     if spec is not None:
-        def run_spec(ws):
-            torch.ops.flashkda.decode(
-                q, k, v, g, beta, out, state_pool, spec.state_indices,
-                num_accepted_tokens=spec.num_accepted_tokens, cu_seqlens=spec.cu_seqlens, **opts, workspace=ws,
-                token_rows=spec.token_rows)
-        calls.append(("spec", run_spec, ws_spec))
+        spc = dict(num_accepted_tokens=spec.num_accepted_tokens, cu_seqlens=spec.cu_seqlens,
+                   token_rows=spec.token_rows, **opts)
+        calls.append(("spec", lambda: torch.ops.flashkda.decode(
+                          q, k, v, g, beta, out, state_pool, spec.state_indices, workspace=ws_spec, **spc),
+                      lambda: torch.ops.flashkda.decode_check(
+                          q, k, v, g, beta, out, state_pool, spec.state_indices, **spc)))
 
     # One group's call validates itself before it writes; with more, all are validated first, then
     # (host tensors) that no two share a row of the step or a pool row.
     if len(calls) > 1 and not torch.compiler.is_compiling():
-        stop = workspace[:4:2] if on_cuda else torch.empty(4, dtype=torch.uint8)[::2]
-        for group, call, _ in calls:
-            _call(group, call, stop, validate=True)
+        for group, _, check in calls:
+            _call(group, check)
         if not on_cuda:
             _check_groups_cpu(q.shape[1], prefill, decode, spec)
 
@@ -367,6 +353,6 @@ def kda_step(
         for grp, ws in ((prefill, ws_prefill), (decode, ws_decode), (spec, ws_spec)):
             if grp is None:
                 torch.ops.flashkda.clear_device_error(ws)
-    for group, call, ws in calls:
-        _call(group, call, ws)
+    for group, run, _ in calls:
+        _call(group, run)
     return result

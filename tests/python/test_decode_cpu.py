@@ -352,6 +352,24 @@ def test_decode_bad_input(mutate, arg, match):
     assert torch.equal(pool, pool_before)
 
 
+@pytest.mark.parametrize("mutate", [c[1] for c in CASES], ids=[c[0] for c in CASES])
+def test_decode_check_says_what_decode_says(mutate):
+    """torch.ops.flashkda.decode_check (the op's checks alone, no workspace: kda_step's validation of
+    every group) raises decode's own error, writing nothing."""
+    a, kw = bad_base()
+    mutate(a, kw)
+    out, pool = a["out"], a["state_pool"]
+    out_before, pool_before = out.clone(), pool.clone()
+    args = (a["q"], a["k"], a["v"], a["g"], a["beta"], out, pool, a["ssm_state_indices"])
+    with pytest.raises(ValueError) as run_err:
+        torch.ops.flashkda.decode(*args, **kw)
+    check_kw = {key: val for key, val in kw.items() if key != "workspace"}
+    with pytest.raises(ValueError) as check_err:
+        torch.ops.flashkda.decode_check(*args, **check_kw)
+    assert str(check_err.value) == str(run_err.value)
+    assert torch.equal(out, out_before) and torch.equal(pool, pool_before)
+
+
 FD = importlib.import_module("flashkda.decode")  # (the attribute flashkda.decode is the function)
 # The paths that run CUDA tensors without the op (backend "reference": the float64 PyTorch reference;
 # "triton": fla's fused_recurrent_kda) check what the op checks, in its words, except what they do

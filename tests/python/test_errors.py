@@ -177,3 +177,26 @@ def test_fwd_op_bad_input_leaves_outputs():
         torch.ops.flashkda.fwd(a["q"], a["k"], a["v"], a["g"], a["beta"], 0.125, out, torch.empty(0), kw["A_log"],
                                kw["dt_bias"], -10.0, kw["initial_state"], fs, kw["cu_seqlens"])
     assert torch.all(out == SENTINEL) and torch.all(fs == SENTINEL)
+
+
+@pytest.mark.parametrize("mutate", [c[1] for c in CASES], ids=[c[0] for c in CASES])
+def test_prefill_check_says_what_prefill_says(mutate):
+    """torch.ops.flashkda.prefill_check (the op's checks alone: kda_step validates every group with it
+    before the first runs) raises the op's own error for every bad input, writing nothing."""
+    a, kw = base()
+    mutate(a, kw)
+    out, fs = a["out"], kw["final_state"]
+    out_before = out.clone()
+    with pytest.raises(Exception) as run_err:
+        torch.ops.flashkda.prefill(a["q"], a["k"], a["v"], a["g"], a["beta"], out, torch.empty(0, dtype=torch.uint8),
+                                   **kw)
+    with pytest.raises(type(run_err.value)) as check_err:
+        torch.ops.flashkda.prefill_check(a["q"], a["k"], a["v"], a["g"], a["beta"], out, **kw)
+    assert str(check_err.value) == str(run_err.value)
+    assert torch.equal(out, out_before)
+
+
+def test_prefill_check_passes_valid_input_and_runs_nothing():
+    a, kw = base()
+    torch.ops.flashkda.prefill_check(a["q"], a["k"], a["v"], a["g"], a["beta"], a["out"], **kw)
+    assert torch.all(a["out"] == SENTINEL) and torch.all(kw["final_state"] == SENTINEL)
