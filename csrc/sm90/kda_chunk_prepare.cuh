@@ -42,6 +42,7 @@
 #include <type_traits>
 
 #include "sm90/kda_common.cuh"
+#include "sm90/kda_pair_tiles.h"
 #include "sm90/kda_sw128.h"
 
 namespace flashkda {
@@ -130,20 +131,36 @@ __device__ inline void validate_device_inputs(const PrefillArgs& a) {
   }
 }
 
-// Pool rows of the sequences x, x + gridDim.x, ... (x < N) against every other sequence's: two
-// sequences on one row would race on it (DeviceError kStateSlotConflict; the state pass then
-// writes nothing).  Run by the head-0 blocks, each with N loads, so that no block scans all N^2 pairs
-// (block 0 alone would take O(N^2 / 256) steps: milliseconds at N = 8192).
-__device__ inline void check_state_rows_distinct(const PrefillArgs& a) {
-  for (int64_t n = blockIdx.x; n < a.N; n += gridDim.x) {
-    const int64_t mine = load_index(a.state_indices, a.idx_int64, n);
-    if (mine < 0) continue;  // padding: touches no row
+// No two sequences on one pool row (they would race on it: DeviceError kStateSlotConflict; the state
+// pass then writes nothing).  The N x N comparisons go in tiles of 256 x 256 sequences (ti <= tj),
+// dealt over the head-0 blocks from block 1 on (block 0 validates the rest): a tile is 512 index
+// loads and 256 broadcast shared-memory compares a thread, so the check stays a few microseconds of
+// a few blocks for any N (one block scanning all pairs would take milliseconds at N = 8192, and N
+// blocks loading all N indices each is O(N^2) L2 traffic).  `keys`: 256 int64 of shared memory,
+// free again when it returns.  Block-uniform (barriers inside).
+__device__ inline void check_state_rows_distinct(const PrefillArgs& a, int64_t* keys) {
+  constexpr int kTile = kPrepareThreads;
+  const int64_t nt = (a.N + kTile - 1) / kTile;
+  const int64_t tiles = upper_tile_count(nt);
+  const int64_t blocks = gridDim.x > 1 ? gridDim.x - 1 : 1;
+  const int64_t first_tile = gridDim.x > 1 ? static_cast<int64_t>(blockIdx.x) - 1 : 0;
+  if (first_tile < 0) return;  // block 0 of a multi-block grid
+  for (int64_t tl = first_tile; tl < tiles; tl += blocks) {
+    int64_t ti, tj;
+    upper_tile(tl, nt, &ti, &tj);
+    const int64_t i = ti * kTile + threadIdx.x, j = tj * kTile + threadIdx.x;
+    const int64_t mine = i < a.N ? load_index(a.state_indices, a.idx_int64, i) : -1;
+    __syncthreads();  // the previous tile's reads of keys are done
+    keys[threadIdx.x] = j < a.N ? load_index(a.state_indices, a.idx_int64, j) : -1;
+    __syncthreads();
     bool dup = false;
-    for (int64_t m = threadIdx.x; m < a.N; m += blockDim.x) {
-      dup |= m != n && load_index(a.state_indices, a.idx_int64, m) == mine;
+    if (mine >= 0) {  // negative: padding, touches no row
+      for (int c = 0; c < kTile; ++c)
+        dup |= keys[c] == mine && (tj != ti || c != static_cast<int>(threadIdx.x));
     }
     if (dup) atomicExch(a.error_word, static_cast<int>(DeviceError::kStateSlotConflict));
   }
+  __syncthreads();  // keys free for the caller
 }
 
 // Loads 8 consecutive elements (bf16) of a row as floats.
@@ -535,7 +552,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (blockIdx.x == 0 && blockIdx.y == 0) validate_device_inputs(a);
-  if (a.state_indices && blockIdx.y == 0) check_state_rows_distinct(a);
+  if (a.state_indices && blockIdx.y == 0)
+    check_state_rows_distinct(a, reinterpret_cast<int64_t*>(smem + SM::kQ));
 
   int64_t n, c;
   if (!slot_to_chunk_block(a, blockIdx.x, &n, &c)) return;

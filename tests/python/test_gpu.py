@@ -318,8 +318,9 @@ def test_device_side_validation():
 
 
 def test_state_rows_distinct_many_sequences(gen):
-    """The duplicate-row check is spread over the head-0 blocks (sequence x in block x): a
-    duplicate between the first and the last of 300 sequences is found, distinct rows pass."""
+    """The duplicate-row check deals 256 x 256 tiles of sequence pairs over the head-0 blocks: a
+    duplicate between the first and the last of 300 sequences (tile (0, 1)) is found, distinct rows
+    pass."""
     lens = [1 + (7 * n) % 13 for n in range(300)]
     inp = make_inputs(lens, H=2, D=64, device=DEV, generator=gen)
     out, _ = poisoned_outputs(inp)
