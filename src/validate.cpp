@@ -478,6 +478,15 @@ Status check_token_rows(const TensorRef& tr, bool varlen, int64_t B, int64_t R, 
   FLASHKDA_TRY(check_contiguous("token_rows", tr));
   FLASHKDA_TRY(check_data("token_rows", tr));
   *T = tr.sizes[0];
+  // Distinct values in [0, R) are at most R of them, whatever they are: checked from the shapes
+  // (for CUDA tensors the values are the kernels' to check, and with R = 0 there is no row a kernel
+  // could clamp a value into).
+  if (*T > R) {
+    return bad(
+        "token_rows",
+        "at most R = " + std::to_string(R) + " values (distinct rows of dim 1 of q, k, v, g, beta and out)",
+        std::to_string(*T) + " values");
+  }
   if (tr.device == DeviceType::kCPU) {
     std::unordered_map<int64_t, int64_t> user;  // row -> the token that maps to it
     user.reserve(static_cast<size_t>(*T));
@@ -559,17 +568,29 @@ Status check_cuda_sizes(const TensorRef& q, int64_t B, int64_t T, int64_t H, int
   return Status::ok_status();
 }
 
-// `out` must not share memory with a tensor the call writes or reads after writing out (`name`).
-// Extents are compared (first to last byte of each), so strided views that interleave without
-// sharing a byte are reported too; states and pools are contiguous, so for them this is exact.
-Status check_out_apart(const TensorRef& out, const char* name, const TensorRef& t, const char* why) {
-  if (!out.defined() || !t.defined() || out.numel() == 0 || t.numel() == 0) return Status::ok_status();
-  uintptr_t olo, ohi, tlo, thi;
-  extent(out, &olo, &ohi);
-  extent(t, &tlo, &thi);
-  if (olo < thi && tlo < ohi) {
-    return bad("out", std::string("no memory shared with ") + name + why,
-               std::string("an overlap with ") + name);
+// Written tensor `name` must not share memory with tensor `other_name` (which the call writes too, or
+// reads after writing `name`).  Extents are compared (first to last byte of each), so strided views
+// that interleave without sharing a byte are reported too; states and pools are contiguous, so for
+// them this is exact.
+Status check_apart(const char* name, const TensorRef& t, const char* other_name, const TensorRef& other,
+                   const char* why) {
+  if (!t.defined() || !other.defined() || t.numel() == 0 || other.numel() == 0) return Status::ok_status();
+  uintptr_t lo, hi, olo, ohi;
+  extent(t, &lo, &hi);
+  extent(other, &olo, &ohi);
+  if (lo < ohi && olo < hi) {
+    return bad(name, std::string("no memory shared with ") + other_name + why,
+               std::string("an overlap with ") + other_name);
+  }
+  return Status::ok_status();
+}
+
+// The kernels move states (pool rows, checkpoint states) in 16-byte pieces on CUDA.
+Status check_aligned16_on_cuda(const char* name, const TensorRef& t) {
+  const uintptr_t off = reinterpret_cast<uintptr_t>(t.data) & 15u;
+  if (t.device == DeviceType::kCUDA && off != 0) {
+    return bad(name, "a 16-byte aligned data pointer on CUDA",
+               "one " + std::to_string(off) + " bytes past a 16-byte boundary");
   }
   return Status::ok_status();
 }
@@ -747,6 +768,7 @@ Status can_implement(const PrefillParams& p, ProblemShape* shape) {
     FLASHKDA_TRY(check_shape("checkpoint_state", cs, {N, n_ckpt, H, V, K}, "(N, n_ckpt, H, V, K)"));
     FLASHKDA_TRY(check_contiguous("checkpoint_state", cs));
     FLASHKDA_TRY(check_data("checkpoint_state", cs));
+    FLASHKDA_TRY(check_aligned16_on_cuda("checkpoint_state", cs));
     for (const auto& s : states) {
       if (overlaps(cs, *s.second)) {
         return bad("checkpoint_state", std::string("no memory shared with ") + s.first, "an overlap");
@@ -772,15 +794,19 @@ Status can_implement(const PrefillParams& p, ProblemShape* shape) {
     }
   }
 
-  // ---- out apart from what the call writes besides it (and, with checkpoints, from the inputs:
-  // the checkpoint pass reads them again after out is written)
-  for (const auto& s : states) FLASHKDA_TRY(check_out_apart(p.out, s.first, *s.second, ""));
-  FLASHKDA_TRY(check_out_apart(p.out, "checkpoint_state", p.checkpoint_state, ""));
+  // ---- out apart from what the call writes besides it; with checkpoints every written tensor apart
+  // from the inputs too (the checkpoint pass reads them again after out and the states are written)
+  for (const auto& s : states) FLASHKDA_TRY(check_apart("out", p.out, s.first, *s.second, ""));
+  FLASHKDA_TRY(check_apart("out", p.out, "checkpoint_state", p.checkpoint_state, ""));
   if (n_ckpt > 0) {
+    const NamedRef written[] = {
+        {"out", &p.out}, {"final_state", &p.final_state}, {"checkpoint_state", &p.checkpoint_state}};
     const NamedRef inputs[] = {{"q", &p.q}, {"k", &p.k}, {"v", &p.v}, {"g", &p.g}, {"beta", &p.beta}};
-    for (const auto& in : inputs) {
-      FLASHKDA_TRY(check_out_apart(p.out, in.first, *in.second,
-                                   " (checkpoints read the inputs after out is written)"));
+    for (const auto& w : written) {
+      for (const auto& in : inputs) {
+        FLASHKDA_TRY(check_apart(w.first, *w.second, in.first, *in.second,
+                                 " (checkpoints read the inputs after it is written)"));
+      }
     }
   }
 
@@ -819,15 +845,18 @@ Status can_implement_decode(const DecodeParams& p, DecodeShape* shape) {
   FLASHKDA_TRY(check_rank("state_pool", pool, 4, "[P, H, V, K]"));
   FLASHKDA_TRY(check_dtype("state_pool", pool, {DType::kFloat32, DType::kBFloat16}));
   FLASHKDA_TRY(check_pool_shape("state_pool", pool, H, V, K, ""));
-  if (pool.device == DeviceType::kCUDA && (reinterpret_cast<uintptr_t>(pool.data) & 15u) != 0) {
-    // The decode kernels move the state in 16-byte pieces.
-    return bad("state_pool", "a 16-byte aligned data pointer on CUDA",
-               "one " + std::to_string(reinterpret_cast<uintptr_t>(pool.data) & 15u) +
-                   " bytes past a 16-byte boundary");
-  }
+  FLASHKDA_TRY(check_aligned16_on_cuda("state_pool", pool));  // the decode kernels' 16-byte pieces
   FLASHKDA_TRY(check_contiguous("state_pool", pool));
   FLASHKDA_TRY(check_data("state_pool", pool));
-  FLASHKDA_TRY(check_out_apart(p.out, "state_pool", pool, ""));
+  FLASHKDA_TRY(check_apart("out", p.out, "state_pool", pool, ""));
+  // The decode kernels split a request's state rows over blocks that each read the whole q / k / g
+  // rows and beta of its tokens while the others write their slices of out: out apart from them.
+  {
+    const NamedRef inputs[] = {{"q", &p.q}, {"k", &p.k}, {"v", &p.v}, {"g", &p.g}, {"beta", &p.beta}};
+    for (const auto& in : inputs) {
+      FLASHKDA_TRY(check_apart("out", p.out, in.first, *in.second, " (read by the blocks that write out)"));
+    }
+  }
   const int64_t P = pool.sizes[0];
 
   // ---- ssm_state_indices: [N] or [N, S]

@@ -631,6 +631,17 @@ TEST_F(DecodeValidation, OutSharingMemoryWithThePool) {
       "flashkda: argument 'out': expected no memory shared with state_pool, got an overlap with state_pool");
 }
 
+TEST_F(DecodeValidation, OutSharingMemoryWithAnInput) {
+  // A request's state rows are split over blocks that each read its whole q / k / g rows while the
+  // others write their slices of out: out may not overlap them (K == V here, so out = q fits).
+  DecodeParams d = valid_spec();
+  d.out = d.q;
+  d.out.data = tk.q.data();
+  expect_invalid(d, "out");
+  EXPECT_NE(can_implement_decode(d).message.find("got an overlap with q"), std::string::npos)
+      << can_implement_decode(d).message;
+}
+
 TEST_F(DecodeValidation, SpecWithoutTokensNeedsWriteSlots) {
   // Fixed layout, T = 0 tokens, 2-D indices [N, 0]: no slot to read from, reported as the index
   // shape (not as an impossible accepted-count range).
@@ -913,7 +924,8 @@ TEST_F(CheckpointValidation, ShapesDtypesAndPairs) {
 }
 
 TEST_F(CheckpointValidation, OutApartFromCheckpointsAndInputs) {
-  // out over checkpoint_state's buffer, and (checkpoints read the inputs after out is written) over k.
+  // out over checkpoint_state's buffer, and (checkpoints read the inputs after out and the states are
+  // written) out or final_state over k.
   PrefillParams p = c.params();
   p.out.data = c.ckpt.data();
   expect_invalid(p, "out");
@@ -922,9 +934,14 @@ TEST_F(CheckpointValidation, OutApartFromCheckpointsAndInputs) {
   expect_invalid(p, "out");
   EXPECT_EQ(
       can_implement(p).message,
-      "flashkda: argument 'out': expected no memory shared with k (checkpoints read the inputs after out is "
+      "flashkda: argument 'out': expected no memory shared with k (checkpoints read the inputs after it is "
       "written), got an overlap with k");
+  p = c.params();
+  p.final_state.data = p.k.data;
+  expect_invalid(p, "final_state");
   // Without checkpoints, out may share memory with the inputs (they are read before it is written).
+  p = c.params();
+  p.out.data = p.k.data;
   p.checkpoint_offsets = TensorRef();
   p.checkpoint_state = TensorRef();
   EXPECT_TRUE(can_implement(p).ok()) << can_implement(p).message;

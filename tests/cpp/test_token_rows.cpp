@@ -418,6 +418,19 @@ TEST_F(TokenRowsValidation, Duplicates) {
       "token), got token_rows[4] = token_rows[1] = 0");
 }
 
+TEST_F(TokenRowsValidation, MoreTokensThanRows) {
+  // T distinct rows need R >= T: refused from the shapes (on CUDA the values are the kernels' to
+  // check, and with R = 0 there is no row they could clamp a bad value into).
+  for (int64_t rows : {4, 0}) {
+    auto fewer_rows = [rows](auto* p) {
+      for (TensorRef* t : {&p->q, &p->k, &p->v, &p->g, &p->beta, &p->out}) t->sizes[1] = rows;
+    };
+    expect_invalid(fewer_rows, "token_rows",
+                   "flashkda: argument 'token_rows': expected at most R = " + std::to_string(rows) +
+                       " values (distinct rows of dim 1 of q, k, v, g, beta and out), got 5 values");
+  }
+}
+
 TEST_F(TokenRowsValidation, DtypeRankContiguityDevice) {
   std::vector<float> f(5, 0.0f);
   expect_invalid([&](auto* p) { p->token_rows = make_tensor_ref(f.data(), DType::kFloat32, {5}); },

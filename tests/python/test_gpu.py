@@ -360,3 +360,23 @@ def test_workspace_too_small():
         run(dict(inp, k=inp["k"].cpu()), out, fs)
     assert torch.isnan(out.float()).all()
 
+
+
+def test_token_rows_on_empty_token_tensors_are_an_argument_error():
+    """token_rows with more values than the token tensors have rows (here none: R = 0) is refused
+    from the shapes; on CUDA the kernels read the rows before their value check, and with R = 0 there
+    was no row to clamp into (an illegal address)."""
+    H, D = 2, 128
+    z = lambda *shape: torch.zeros(*shape, dtype=BF16, device=DEV)  # noqa: E731
+    q, beta, out = z(1, 0, H, D), z(1, 0, H), z(1, 0, H, D)
+    rows = torch.tensor([0], dtype=torch.int32, device=DEV)
+    cu = torch.tensor([0, 1], dtype=torch.int32, device=DEV)
+    gate = dict(A_log=torch.zeros(H, device=DEV), dt_bias=torch.zeros(H, D, device=DEV))
+    with pytest.raises(ValueError, match=r"argument 'token_rows': expected at most R = 0 values"):
+        flashkda.prefill(q, q, q, q, beta, out, cu_seqlens=cu, token_rows=rows, **gate)
+    pool = torch.zeros(2, H, D, D, device=DEV)
+    with pytest.raises(ValueError, match=r"argument 'token_rows': expected at most R = 0 values"):
+        flashkda.decode(q, q, q, q, beta, pool, torch.tensor([0], device=DEV), out, cu_seqlens=cu, token_rows=rows,
+                        **gate, backend="cuda")
+    torch.cuda.synchronize()
+    assert torch.count_nonzero(pool) == 0

@@ -123,6 +123,22 @@ def test_bad_checkpoint_offsets_write_nothing(gen):
         assert torch.isnan(out.float()).all() and torch.isnan(fs).all() and torch.isnan(ckpt).all()
 
 
+def test_misaligned_checkpoint_state_is_an_argument_error(gen):
+    """The walk stores checkpoint states in 8-byte and checkpoint_advance in 16-byte pieces: a
+    contiguous fp32 checkpoint_state 4 bytes off a 16-byte boundary is refused by validation (it
+    faulted in the walk, after out and the final states were written)."""
+    inp = make_inputs([100], H=2, D=128, device=DEV, generator=gen)
+    offsets = torch.tensor([[10, 64]], dtype=torch.int32, device=DEV)
+    ckpt = torch.full((2 * 2 * 128 * 128 + 1,), float("nan"), device=DEV)[1:].view(1, 2, 2, 128, 128)
+    out = torch.full(inp["v"].shape, float("nan"), dtype=BF16, device=DEV)
+    fs = torch.full((1, 2, 128, 128), float("nan"), device=DEV)
+    with pytest.raises(ValueError, match=r"argument 'checkpoint_state': expected a 16-byte aligned data pointer"):
+        flashkda.prefill(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], out, final_state=fs,
+                         checkpoint_offsets=offsets, checkpoint_state=ckpt, **op_kwargs(inp))
+    torch.cuda.synchronize()
+    assert torch.isnan(out.float()).all() and torch.isnan(fs).all() and torch.isnan(ckpt).all()
+
+
 def test_checkpoints_graph_replay(gen):
     inp = make_inputs([300, 17], H=4, D=128, device=DEV, generator=gen)
     offsets = torch.tensor([[100, 300], [5, 17]], device=DEV)
