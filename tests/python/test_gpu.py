@@ -296,19 +296,15 @@ def test_device_side_validation():
     flashkda.clear_device_error(ws)
     assert flashkda.read_device_error(ws) == 0
 
-    pool = torch.zeros(3, 4, 128, 128, device=DEV)
-    run(dict(inp, initial_state=pool), out, pool, workspace=ws,
-        state_indices=torch.tensor([0, 3], dtype=torch.int32, device=DEV))
-    assert flashkda.read_device_error(ws) == 2
-    assert torch.isnan(out.float()).all() and torch.count_nonzero(pool) == 0
-    flashkda.clear_device_error(ws)
-    # Two sequences on one pool row would race on it: kStateSlotConflict (6), nothing written.
-    pool = torch.zeros(3, 4, 128, 128, device=DEV)
-    run(dict(inp, initial_state=pool), out, pool, workspace=ws,
-        state_indices=torch.tensor([1, 1], dtype=torch.int64, device=DEV))
-    assert flashkda.read_device_error(ws) == 6
-    assert torch.isnan(out.float()).all() and torch.count_nonzero(pool) == 0
-    flashkda.clear_device_error(ws)
+    # A row past the pool (kBadStateIndex, 2) and two sequences on one row, which would race on it
+    # (kStateSlotConflict, 6): nothing written either way.
+    for rows, dtype, code in (([0, 3], torch.int32, 2), ([1, 1], torch.int64, 6)):
+        pool = torch.zeros(3, 4, 128, 128, device=DEV)
+        run(dict(inp, initial_state=pool), out, pool, workspace=ws,
+            state_indices=torch.tensor(rows, dtype=dtype, device=DEV))
+        assert flashkda.read_device_error(ws) == code, rows
+        assert torch.isnan(out.float()).all() and torch.count_nonzero(pool) == 0
+        flashkda.clear_device_error(ws)
     run(dict(inp, initial_state=pool), out, pool, workspace=ws,  # padding (-1) may repeat
         state_indices=torch.tensor([-1, -1], dtype=torch.int32, device=DEV))
     assert flashkda.read_device_error(ws) == 0
