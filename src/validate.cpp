@@ -850,9 +850,10 @@ Status can_implement_decode(const DecodeParams& p, DecodeShape* shape) {
   FLASHKDA_TRY(check_data("state_pool", pool));
   FLASHKDA_TRY(check_apart("out", p.out, "state_pool", pool, ""));
   // The decode kernels split a request's state rows over blocks that each read the whole q / k / g
-  // rows and beta of its tokens while the others write their slices of out: out apart from them.
+  // rows and beta of its tokens while the others write their slices of out: out apart from them (v is
+  // read per row slice, by the block that writes the same slice of out: out may be v).
   {
-    const NamedRef inputs[] = {{"q", &p.q}, {"k", &p.k}, {"v", &p.v}, {"g", &p.g}, {"beta", &p.beta}};
+    const NamedRef inputs[] = {{"q", &p.q}, {"k", &p.k}, {"g", &p.g}, {"beta", &p.beta}};
     for (const auto& in : inputs) {
       FLASHKDA_TRY(check_apart("out", p.out, in.first, *in.second, " (read by the blocks that write out)"));
     }

@@ -140,7 +140,7 @@ __device__ inline void validate_device_inputs(const PrefillArgs& a) {
 // free again when it returns.  Block-uniform (barriers inside).
 __device__ inline void check_state_rows_distinct(const PrefillArgs& a, int64_t* keys) {
   constexpr int kTile = kPrepareThreads;
-  const int64_t nt = (a.N + kTile - 1) / kTile;
+  const int64_t nt = (static_cast<int64_t>(a.N) + kTile - 1) / kTile;
   const int64_t tiles = upper_tile_count(nt);
   const int64_t blocks = gridDim.x > 1 ? gridDim.x - 1 : 1;
   const int64_t first_tile = gridDim.x > 1 ? static_cast<int64_t>(blockIdx.x) - 1 : 0;

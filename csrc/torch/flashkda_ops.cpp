@@ -62,7 +62,7 @@ const char* torch_dtype_name(c10::ScalarType t) {
       const auto t = static_cast<c10::ScalarType>(i);
       try {
         v.push_back(c10::getDtypeNames(t).first);
-      } catch (const c10::Error&) {  // a dtype torch has no Python name for
+      } catch (const std::exception&) {  // a dtype torch has no Python name for
         v.push_back(c10::toString(t));
       }
     }

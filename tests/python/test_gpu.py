@@ -325,12 +325,28 @@ def test_state_rows_distinct_many_sequences(gen):
     idx = torch.arange(300, dtype=torch.int32, device=DEV)
     run(dict(inp, initial_state=pool), out, pool, workspace=ws, state_indices=idx)
     assert flashkda.read_device_error(ws) == 0
-    idx[299] = idx[0]
-    out.fill_(float("nan"))
     before = pool.clone()
-    run(dict(inp, initial_state=pool), out, pool, workspace=ws, state_indices=idx)
+    for first, second in ((0, 299), (260, 299), (3, 4)):  # tiles (0, 1), (1, 1) (partial), (0, 0)
+        bad = idx.clone()
+        bad[second] = bad[first]
+        out.fill_(float("nan"))
+        run(dict(inp, initial_state=pool), out, pool, workspace=ws, state_indices=bad)
+        assert flashkda.read_device_error(ws) == 6, (first, second)
+        assert torch.isnan(out.float()).all() and torch.equal(pool, before)
+        flashkda.clear_device_error(ws)
+
+
+def test_state_rows_distinct_on_a_one_block_grid(gen):
+    """Fixed length T = 0: chunk_prepare's grid is one block, which both validates and compares the
+    rows; a duplicate is still found and nothing is written."""
+    inp = make_inputs(B=2, T=0, H=2, D=64, device=DEV, generator=gen)
+    pool = torch.zeros(3, 2, 64, 64, device=DEV)
+    out = torch.empty(inp["v"].shape, dtype=BF16, device=DEV)
+    ws = flashkda.new_workspace(inp["q"])
+    run(dict(inp, initial_state=pool), out, pool, workspace=ws,
+        state_indices=torch.tensor([1, 1], dtype=torch.int32, device=DEV))
     assert flashkda.read_device_error(ws) == 6
-    assert torch.isnan(out.float()).all() and torch.equal(pool, before)
+    assert torch.count_nonzero(pool) == 0
 
 
 def test_cuda_size_limits_are_argument_errors():
