@@ -31,6 +31,21 @@ flashkda.prefill(*big, bigb, out2, ws, A_log=A_log, dt_bias=dt_bias, initial_sta
 torch.cuda.synchronize()
 print("prefill pool/checkpoints/token_rows: device error", flashkda.read_device_error(ws))
 
+# The duplicate pool-row check with its shared keys reused tile after tile: fixed length T = 0 gives
+# chunk_prepare a one-block grid, whose block compares all 6 tiles of 600 sequences (one duplicate).
+B0 = 600
+z0 = torch.zeros(B0, 0, 1, 64, device="cuda", dtype=torch.bfloat16)
+out0 = torch.zeros(B0, 0, 1, 64, device="cuda", dtype=torch.bfloat16)
+pool0 = torch.zeros(B0 + 1, 1, 64, 64, device="cuda")
+idx0 = torch.arange(B0, device="cuda", dtype=torch.int32)
+idx0[599] = idx0[10]
+ws0 = flashkda.new_workspace(z0)
+flashkda.prefill(z0, z0, z0, z0, torch.zeros(B0, 0, 1, device="cuda", dtype=torch.bfloat16), out0, ws0,
+                 A_log=torch.zeros(1, device="cuda"), dt_bias=torch.zeros(1, 64, device="cuda"), initial_state=pool0,
+                 final_state=pool0, state_indices=idx0)
+torch.cuda.synchronize()
+print("duplicate pool rows, one-block grid: device error", flashkda.read_device_error(ws0), "(expected 6)")
+
 # Decode: plain (1-D) and spec 1+3 (2-D, random acceptance, a padded request) on a bf16 and an fp32 pool.
 dws = torch.empty(torch.ops.flashkda.get_decode_workspace_size(), dtype=torch.uint8, device="cuda")
 for pool_dtype in (torch.float32, torch.bfloat16):
