@@ -288,13 +288,8 @@ int64_t read_index2(const TensorRef& t, int64_t i, int64_t j) {
   return reinterpret_cast<const int64_t*>(base)[off];
 }
 
-// Byte range [lo, hi) that a contiguous tensor occupies.
-void byte_range(const TensorRef& t, uintptr_t* lo, uintptr_t* hi) {
-  *lo = reinterpret_cast<uintptr_t>(t.data);
-  *hi = *lo + static_cast<uintptr_t>(t.numel()) * dtype_size(t.dtype);
-}
-
-// First and one-past-last byte a strided tensor can touch (non-negative strides, as validated).
+// First and one-past-last byte a non-empty strided tensor can touch (non-negative strides, as
+// validated); for a contiguous tensor exactly the bytes it occupies.
 void extent(const TensorRef& t, uintptr_t* lo, uintptr_t* hi) {
   int64_t last = 0;
   for (int i = 0; i < t.ndim; ++i) last += (t.sizes[i] - 1) * t.strides[i];
@@ -302,11 +297,13 @@ void extent(const TensorRef& t, uintptr_t* lo, uintptr_t* hi) {
   *hi = *lo + static_cast<uintptr_t>(last + 1) * dtype_size(t.dtype);
 }
 
+// Whether the extents of two given, non-empty tensors intersect (exact for contiguous ones; strided
+// views that interleave without sharing a byte count as overlapping).
 bool overlaps(const TensorRef& a, const TensorRef& b) {
   if (!a.defined() || !b.defined() || a.numel() == 0 || b.numel() == 0) return false;
   uintptr_t alo, ahi, blo, bhi;
-  byte_range(a, &alo, &ahi);
-  byte_range(b, &blo, &bhi);
+  extent(a, &alo, &ahi);
+  extent(b, &blo, &bhi);
   return alo < bhi && blo < ahi;
 }
 
@@ -569,16 +566,10 @@ Status check_cuda_sizes(const TensorRef& q, int64_t B, int64_t T, int64_t H, int
 }
 
 // Written tensor `name` must not share memory with tensor `other_name` (which the call writes too, or
-// reads after writing `name`).  Extents are compared (first to last byte of each), so strided views
-// that interleave without sharing a byte are reported too; states and pools are contiguous, so for
-// them this is exact.
+// reads after writing `name`), judged by overlaps().
 Status check_apart(const char* name, const TensorRef& t, const char* other_name, const TensorRef& other,
                    const char* why) {
-  if (!t.defined() || !other.defined() || t.numel() == 0 || other.numel() == 0) return Status::ok_status();
-  uintptr_t lo, hi, olo, ohi;
-  extent(t, &lo, &hi);
-  extent(other, &olo, &ohi);
-  if (lo < ohi && olo < hi) {
+  if (overlaps(t, other)) {
     return bad(name, std::string("no memory shared with ") + other_name + why,
                std::string("an overlap with ") + other_name);
   }
@@ -692,15 +683,10 @@ Status can_implement(const PrefillParams& p, ProblemShape* shape) {
     if (f.sizes[0] != a.sizes[0]) {
       return bad("final_state", "shape " + shape_str(a) + " (that of initial_state)", shape_str(f));
     }
-    if (f.data != a.data) {
-      uintptr_t alo, ahi, flo, fhi;
-      byte_range(a, &alo, &ahi);
-      byte_range(f, &flo, &fhi);
-      if (alo < fhi && flo < ahi) {
-        return bad("final_state",
-                   "either the same memory as initial_state (in-place update) or no overlap with it",
-                   "a partial overlap");
-      }
+    if (f.data != a.data && overlaps(a, f)) {
+      return bad("final_state",
+                 "either the same memory as initial_state (in-place update) or no overlap with it",
+                 "a partial overlap");
     }
   }
 
