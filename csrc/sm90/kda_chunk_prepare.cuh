@@ -132,22 +132,22 @@ __device__ inline void validate_device_inputs(const PrefillArgs& a) {
 }
 
 // No two sequences on one pool row (they would race on it: DeviceError kStateSlotConflict; the state
-// pass then writes nothing).  The N x N comparisons go in tiles of 256 x 256 sequences (ti <= tj),
-// dealt over the head-0 blocks from block 1 on (block 0 validates the rest): a tile is 512 index
-// loads and 256 broadcast shared-memory compares a thread, so the check stays a few microseconds of
-// a few blocks for any N (one block scanning all pairs would take milliseconds at N = 8192, and N
-// blocks loading all N indices each is O(N^2) L2 traffic).  `keys`: 256 int64 of shared memory,
-// free again when it returns.  Block-uniform (barriers inside).
+// pass then writes nothing).  The N x N comparisons go in tiles of 256 x 256 sequences (ti <= tj,
+// kda_pair_tiles.h), dealt over the head-0 blocks from block 1 on (block 0 validates the rest): a tile is 512
+// index loads and 256 broadcast shared-memory compares a thread, so the check stays a few microseconds of a
+// few blocks for any N (one block scanning all pairs would take milliseconds at N = 8192, and N blocks
+// loading all N indices each is O(N^2) L2 traffic).  `keys`: 256 int64 of shared memory, free again when it
+// returns.  Block-uniform (barriers inside).
 __device__ inline void check_state_rows_distinct(const PrefillArgs& a, int64_t* keys) {
   constexpr int kTile = kPrepareThreads;
   const int64_t nt = (static_cast<int64_t>(a.N) + kTile - 1) / kTile;
-  const int64_t tiles = upper_tile_count(nt);
+  const int64_t tiles = pair_tile_count(nt);
   const int64_t blocks = gridDim.x > 1 ? gridDim.x - 1 : 1;
   const int64_t first_tile = gridDim.x > 1 ? static_cast<int64_t>(blockIdx.x) - 1 : 0;
   if (first_tile < 0) return;  // block 0 of a multi-block grid
   for (int64_t tl = first_tile; tl < tiles; tl += blocks) {
     int64_t ti, tj;
-    upper_tile(tl, nt, &ti, &tj);
+    if (!upper_pair_tile(tl, nt, &ti, &tj)) continue;  // block-uniform: the pair's other tile compares it
     const int64_t i = ti * kTile + threadIdx.x, j = tj * kTile + threadIdx.x;
     const int64_t mine = i < a.N ? load_index(a.state_indices, a.idx_int64, i) : -1;
     __syncthreads();  // the previous tile's reads of keys are done
