@@ -20,8 +20,10 @@ import tempfile
 UNITS = [
     "csrc/sm90/kda_prefill_sm90_d128.cu",
     "csrc/sm90/kda_prefill_sm90_d64.cu",
-    "csrc/sm90/kda_decode_sm90_d128.cu",
-    "csrc/sm90/kda_decode_sm90_d64.cu",
+    "csrc/sm90/kda_decode_sm90_d128_f32.cu",
+    "csrc/sm90/kda_decode_sm90_d128_bf16.cu",
+    "csrc/sm90/kda_decode_sm90_d64_f32.cu",
+    "csrc/sm90/kda_decode_sm90_d64_bf16.cu",
 ]
 NO_SPILL = ("chunk_prepare_kernel", "state_recurrence_kernel", "segment_scan_kernel")
 

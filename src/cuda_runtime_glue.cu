@@ -274,8 +274,7 @@ Status run_decode_cuda(const DecodeParams& p, const DecodeShape& shape, void* wo
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const int sms = g_num_sms[p.q.device_index].load();
   const sm90::DecodeKernel kernel = decode_kernel_choice();
-  if (shape.K == 128) return sm90::launch_decode_d128(a, f32, kernel, decode_pdl(), sms, s);
-  return sm90::launch_decode_d64(a, f32, kernel, decode_pdl(), sms, s);
+  return sm90::launch_decode(a, static_cast<int>(shape.K), f32, kernel, decode_pdl(), sms, s);
 }
 
 }  // namespace detail

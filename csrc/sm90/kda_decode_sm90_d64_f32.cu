@@ -1,0 +1,12 @@
+// Instantiation of the sm90 decode kernels for K = V = 64 and a fp32 state pool (one file per
+// heavy template axis: head dim x pool dtype, so the four compile in parallel).
+#include "sm90/kda_decode_stream.cuh"
+
+namespace flashkda {
+namespace sm90 {
+Status launch_decode_d64_f32(const DecodeArgs& a, DecodeKernel kernel, bool pdl, int num_sms,
+                             cudaStream_t stream) {
+  return launch_decode_kernel<64, true>(a, kernel, pdl, num_sms, stream);
+}
+}  // namespace sm90
+}  // namespace flashkda
