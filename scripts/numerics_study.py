@@ -29,18 +29,22 @@ Usage: python3 scripts/numerics_study.py [--quick]   (about 25 s on 2 CPU cores)
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
+import pathlib
 import sys
 import time
+import types
 
 import torch
 
 torch.set_num_threads(2)
 
-# flashkda/__init__ loads the compiled op library; reference.py only needs torch, so load it by path.
-_spec = importlib.util.spec_from_file_location("kda_reference", "/work/main/python/flashkda/reference.py")
-ref = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ref)
+# flashkda/__init__ loads the compiled op library; reference.py (and host_checks.py, which it imports)
+# only need torch, so they are imported through a bare package module whose __init__ never runs.
+_pkg = types.ModuleType("flashkda")
+_pkg.__path__ = [str(pathlib.Path(__file__).resolve().parents[1] / "python" / "flashkda")]
+sys.modules.setdefault("flashkda", _pkg)
+ref = importlib.import_module("flashkda.reference")
 
 C = 64
 BLK = 16
@@ -75,7 +79,8 @@ KNOBS = ("QT", "KD", "MQK", "TINV", "W", "U", "S", "VN")
 
 def config(base: str = "bf16", op: str = "bf16", acc: str = "fp32", out: str = "bf16", **kw) -> dict:
     cfg = {k: base for k in KNOBS}
-    cfg.update(FOFF=op, FDIAG=op, BK=op, BV=op, ACC=acc, OUT=out, FOLD=False, FSHARE=False)
+    cfg.update(FOFF=op, FDIAG=op, BK=op, BV=op, ACC=acc, OUT=out, FOLD=False, FSHARE=False, WUWALK=False,
+               KTOP="fp16", XOP="fp16", UWALK=False)
     for k, v in kw.items():
         assert k in cfg, k
         cfg[k] = v
@@ -199,6 +204,15 @@ def emulate(inp, cfg, ranges=None):
         bv = rnd((b * v).double(), cfg["BV"])
     W = R(A(Tinv @ bk), "W")
     U = R(A(Tinv @ bv), "U")
+    if cfg["WUWALK"] or cfg["UWALK"]:
+        # W and U never formed (the FlashKDA-peer scheme): the walk computes X = v - kt S^T and
+        # Vn = (T_inv diag(b)) X, from the records kt (KTOP) and Tb = T_inv diag(b) (TINV, fp16 with a
+        # power-of-two shift as today), X rounded to the operand type XOP (fp16 with a per-warp shift:
+        # emulated as tf32, the same 10-bit mantissa without fp16's range limits).
+        Tb = R(A(torch.linalg.solve_triangular(eye + L, eye.expand_as(L), upper=False, unitriangular=True)
+                 * b.double().transpose(-1, -2)), "TINV")
+        kt_rec = rnd((k * torch.exp(G)).double(), cfg["KTOP"])
+        v_in = v.double()
 
     if ranges is not None:
         for name, x in (("QT", QT), ("KD", KD), ("MQK", MQK), ("TINV", Tinv), ("W", W), ("U", U),
@@ -213,7 +227,13 @@ def emulate(inp, cfg, ranges=None):
     for c in range(nC):
         Sop = R(S, "S")
         SopT = Sop.transpose(-1, -2)  # [N, H, K, V]
-        Vn = A(U[:, c] - W[:, c] @ SopT)
+        if cfg["UWALK"]:  # U = Tb v in the walk (v exact, Tb fp16 with a shift), W from the record
+            Vn = A(Tb[:, c] @ v_in[:, c] - W[:, c] @ SopT)
+        elif cfg["WUWALK"]:
+            X = A(v_in[:, c] - kt_rec[:, c] @ SopT)
+            Vn = A(Tb[:, c] @ rnd(X, "tf32" if cfg["XOP"] == "fp16s" else cfg["XOP"]))
+        else:
+            Vn = A(U[:, c] - W[:, c] @ SopT)
         Vn_op = R(Vn, "VN")
         O[:, c] = A(QT[:, c] @ SopT + MQK[:, c] @ Vn_op)
         S = A(S * gamma[:, c] + Vn_op.transpose(-1, -2) @ KD[:, c])
@@ -307,6 +327,17 @@ def main():
     run([("K: kernel (R, off-diagonal factors fp16)", kern),
          ("K with shared factors (fp16)", dict(kern, FSHARE=True)),
          ("R with shared factors (bf16)", dict(rec, FSHARE=True))], cases)
+
+    print("# --- (8) W and U formed in the walk instead of chunk_prepare (records kt and Tb; v read by the")
+    print("#     walk): X = v - kt S^T, Vn = Tb X.  fp16s = fp16 with a power-of-two shift (tf32 mantissa)")
+    run([("K: kernel", kern),
+         ("K, W/U in walk: kt fp16, X fp16s", dict(kern, WUWALK=True, KTOP="fp16", XOP="fp16s")),
+         ("K, W/U in walk: kt bf16, X fp16s", dict(kern, WUWALK=True, KTOP="bf16", XOP="fp16s")),
+         ("K, W/U in walk: kt fp16, X bf16", dict(kern, WUWALK=True, KTOP="fp16", XOP="bf16")),
+         ("K, W/U in walk: kt fp16, X fp32", dict(kern, WUWALK=True, KTOP="fp16", XOP="fp32")),
+         ("K, W/U in walk: kt fp16, X fp16s, S hilo", dict(kern, WUWALK=True, XOP="fp16s", S="hilo")),
+         ("K, U in walk (Tb v + W S^T), W record", dict(kern, UWALK=True))],
+        cases)
 
     if "--quick" not in sys.argv:
         print("# --- long case: one sequence of 4096 tokens, H=2 (seed 0)")
