@@ -31,6 +31,20 @@ flashkda.prefill(*big, bigb, out2, ws, A_log=A_log, dt_bias=dt_bias, initial_sta
 torch.cuda.synchronize()
 print("prefill pool/checkpoints/token_rows: device error", flashkda.read_device_error(ws))
 
+# Rows that are not 16-byte aligned (v a view at a 2-byte offset): chunk_prepare's unstaged loads and,
+# where the walk reads v itself, its element-wise copies instead of bulk copies.
+vbuf = torch.randn(T * H * D + 8, device="cuda").bfloat16()
+v_odd = vbuf[1:1 + T * H * D].view(1, T, H, D)
+qo, ko, go = (torch.randn(1, T, H, D, device="cuda").bfloat16() for _ in range(3))
+out_odd = torch.full((1, T, H, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+h0o = 0.1 * torch.randn(N, H, D, D, device="cuda")
+flashkda.prefill(qo, ko, v_odd, go, beta, out_odd, ws, A_log=A_log, dt_bias=dt_bias, initial_state=h0o,
+                 cu_seqlens=cu)
+torch.cuda.synchronize()
+o_ref, _ = ref.prefill(qo, ko, v_odd, go, beta, scale=D ** -0.5, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
+                       initial_state=h0o, cu_seqlens=cu)
+print("unaligned v rows: out rel", ref.rel_err(out_odd, o_ref), "device error", flashkda.read_device_error(ws))
+
 # The duplicate pool-row check with its shared keys reused tile after tile: fixed length T = 0 gives
 # chunk_prepare a one-block grid, whose block compares all 6 tiles of 600 sequences (one duplicate).
 B0 = 600
