@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """Compiles the sm90 kernel translation units with ptxas -v and checks what the build does not:
 
-- no wgmma serialisation (ptxas prints C7520 "wgmma.mma_async instructions are serialized" as an
-  *info* line, which -Werror and -warn-spills do not catch; a serialised wgmma waits for each
-  instruction to finish, see docs/perf-notes.md v9);
+- no wgmma serialisation and no fences injected into a wgmma batch (ptxas prints C7520 "wgmma.mma_async
+  instructions are serialized" and C7519 "warpgroup.arrive is injected" as *info* lines, which -Werror
+  and -warn-spills do not catch; a serialised wgmma waits for each instruction to finish, see
+  docs/perf-notes.md v9; an injected arrive splits a batch, as a branch inside one did on a branch
+  of 2026-12-04);
 - no spills in the prefill hot kernels (chunk_prepare, state_recurrence, segment_scan), whose
   registers hold wgmma / mma accumulators.
 
@@ -43,7 +45,8 @@ def parse(log):
         if m and name:
             kernels.append((name, int(m.group(1)), spills))
             name, spills = None, 0
-        if "C7520" in line or "wgmma.mma_async instructions are serialized" in line:
+        if ("C7520" in line or "wgmma.mma_async instructions are serialized" in line or "C7519" in line
+                or "warpgroup.arrive is injected" in line):
             serialised.append(line.strip())
     return kernels, serialised
 
@@ -78,7 +81,7 @@ def main():
     if failures:
         print("FAILED:\n  " + "\n  ".join(failures))
         return 1
-    print("ok: no wgmma serialisation, no spills in the prefill hot kernels")
+    print("ok: no wgmma serialisation or injected fences, no spills in the prefill hot kernels")
     return 0
 
 
