@@ -246,26 +246,30 @@ Status launch_decode_grid(void (*kernel)(Params...), int64_t grid, int threads, 
 // the call does not fit).
 enum class DecodeKernel { kAuto, kPipelined, kLatency, kFixedLayout, kStream };
 
-// One instantiation file per head dim and pool dtype: kda_decode_sm90_d{64,128}_{f32,bf16}.cu.  Every
-// kernel rewrites all the error words itself.  `pdl`: launch with programmatic stream serialisation
-// (the kernel's set-up overlaps the previous kernel's tail).
-Status launch_decode_d64_f32(const DecodeArgs& a, DecodeKernel kernel, bool pdl, int num_sms,
-                             cudaStream_t stream);
-Status launch_decode_d64_bf16(const DecodeArgs& a, DecodeKernel kernel, bool pdl, int num_sms,
-                              cudaStream_t stream);
-Status launch_decode_d128_f32(const DecodeArgs& a, DecodeKernel kernel, bool pdl, int num_sms,
-                              cudaStream_t stream);
-Status launch_decode_d128_bf16(const DecodeArgs& a, DecodeKernel kernel, bool pdl, int num_sms,
-                               cudaStream_t stream);
+// The kernel choice and launch for one head dim and pool dtype (defined in kda_decode_stream.cuh),
+// explicitly instantiated once per file: kda_decode_sm90_d{64,128}_{f32,bf16}.cu.  Every kernel
+// rewrites all the error words itself.  `pdl`: launch with programmatic stream serialisation (the
+// kernel's set-up overlaps the previous kernel's tail).
+template <int D, bool kF32>
+Status launch_decode_kernel(const DecodeArgs& a, DecodeKernel kernel, bool pdl, int num_sms,
+                            cudaStream_t stream);
+extern template Status launch_decode_kernel<64, true>(const DecodeArgs&, DecodeKernel, bool, int,
+                                                      cudaStream_t);
+extern template Status launch_decode_kernel<64, false>(const DecodeArgs&, DecodeKernel, bool, int,
+                                                       cudaStream_t);
+extern template Status launch_decode_kernel<128, true>(const DecodeArgs&, DecodeKernel, bool, int,
+                                                       cudaStream_t);
+extern template Status launch_decode_kernel<128, false>(const DecodeArgs&, DecodeKernel, bool, int,
+                                                        cudaStream_t);
 
 inline Status launch_decode(const DecodeArgs& a, int head_dim, bool state_f32, DecodeKernel kernel, bool pdl,
                             int num_sms, cudaStream_t stream) {
   if (head_dim == 128) {
-    return state_f32 ? launch_decode_d128_f32(a, kernel, pdl, num_sms, stream)
-                     : launch_decode_d128_bf16(a, kernel, pdl, num_sms, stream);
+    return state_f32 ? launch_decode_kernel<128, true>(a, kernel, pdl, num_sms, stream)
+                     : launch_decode_kernel<128, false>(a, kernel, pdl, num_sms, stream);
   }
-  return state_f32 ? launch_decode_d64_f32(a, kernel, pdl, num_sms, stream)
-                   : launch_decode_d64_bf16(a, kernel, pdl, num_sms, stream);
+  return state_f32 ? launch_decode_kernel<64, true>(a, kernel, pdl, num_sms, stream)
+                   : launch_decode_kernel<64, false>(a, kernel, pdl, num_sms, stream);
 }
 
 }  // namespace sm90

@@ -4,9 +4,6 @@
 
 namespace flashkda {
 namespace sm90 {
-Status launch_decode_d64_bf16(const DecodeArgs& a, DecodeKernel kernel, bool pdl, int num_sms,
-                              cudaStream_t stream) {
-  return launch_decode_kernel<64, false>(a, kernel, pdl, num_sms, stream);
-}
+template Status launch_decode_kernel<64, false>(const DecodeArgs&, DecodeKernel, bool, int, cudaStream_t);
 }  // namespace sm90
 }  // namespace flashkda
