@@ -62,7 +62,8 @@ def rnd(x: torch.Tensor, kind: str) -> torch.Tensor:
         return x.to(torch.bfloat16).double()
     if kind == "fp16":
         return x.to(torch.float16).double()
-    if kind == "tf32":  # 10 explicit mantissa bits, fp32 range (round to nearest even)
+    if kind in ("tf32", "fp16s"):  # 10 explicit mantissa bits, fp32 range (round to nearest even); fp16s:
+        # fp16 under a power-of-two shift, the same mantissa without fp16's range limits
         xi = x.float().view(torch.int32).long()
         xi = (xi + 0xFFF + ((xi >> 13) & 1)) & ~0x1FFF  # two's complement: fine for negative values
         return xi.to(torch.int32).view(torch.float32).double()
@@ -193,6 +194,7 @@ def emulate(inp, cfg, ranges=None):
 
     eye = torch.eye(C, dtype=torch.float64)
     Tinv = torch.linalg.solve_triangular(eye + L, eye.expand_as(L), upper=False, unitriangular=True)
+    Tinv_exact = Tinv
     if cfg["FOLD"]:
         # fold diag(b) into T_inv: W = (T_inv diag(b)) @ (k exp(G)), U = (T_inv diag(b)) @ v (v exact in bf16)
         Tinv = R(A(Tinv * b.double().transpose(-1, -2)), "TINV")
@@ -207,10 +209,9 @@ def emulate(inp, cfg, ranges=None):
     if cfg["WUWALK"] or cfg["UWALK"]:
         # W and U never formed (the FlashKDA-peer scheme): the walk computes X = v - kt S^T and
         # Vn = (T_inv diag(b)) X, from the records kt (KTOP) and Tb = T_inv diag(b) (TINV, fp16 with a
-        # power-of-two shift as today), X rounded to the operand type XOP (fp16 with a per-warp shift:
-        # emulated as tf32, the same 10-bit mantissa without fp16's range limits).
-        Tb = R(A(torch.linalg.solve_triangular(eye + L, eye.expand_as(L), upper=False, unitriangular=True)
-                 * b.double().transpose(-1, -2)), "TINV")
+        # power-of-two shift as today), X rounded to the operand type XOP (fp16s: fp16 with a per-warp
+        # shift).
+        Tb = R(A(Tinv_exact * b.double().transpose(-1, -2)), "TINV")
         kt_rec = rnd((k * torch.exp(G)).double(), cfg["KTOP"])
         v_in = v.double()
 
@@ -231,7 +232,7 @@ def emulate(inp, cfg, ranges=None):
             Vn = A(Tb[:, c] @ v_in[:, c] - W[:, c] @ SopT)
         elif cfg["WUWALK"]:
             X = A(v_in[:, c] - kt_rec[:, c] @ SopT)
-            Vn = A(Tb[:, c] @ rnd(X, "tf32" if cfg["XOP"] == "fp16s" else cfg["XOP"]))
+            Vn = A(Tb[:, c] @ rnd(X, cfg["XOP"]))
         else:
             Vn = A(U[:, c] - W[:, c] @ SopT)
         Vn_op = R(Vn, "VN")
