@@ -3,11 +3,17 @@
 # drift (copy bandwidth moved 4.06-4.21 TB/s between calls of one session) falls on every variant alike.
 #
 # Variants are overlay folders under ab/ (untracked: they travel with the tree to the device), each
-# mirroring repository paths, e.g. ab/old_walk/csrc/sm90/kda_state_recurrence.cuh; make one from a
-# commit with scripts/ab_overlay.sh.  "base" is the tree itself.  Each variant is built from its own
-# copy of the tree into its own --target folder, then bench/bench_prefill.py or bench/bench_decode.py
-# (BENCH=prefill | decode; ours only) runs once per variant per round in a fresh process (two builds
-# of the extension cannot share one process).  CASES are the benchmark's own --cases.
+# mirroring repository paths, e.g. ab/old_walk/csrc/sm90/kda_state_recurrence.cuh (make one from a
+# commit with scripts/ab_overlay.sh), or committed patches: a variant <v> without ab/<v> is
+# experiments/<v>.patch applied to its copy of the tree (the whole tree: its tests change with it).
+# "base" is the tree itself.  Each variant is built from its own copy of the tree into its own
+# --target folder, then bench/bench_prefill.py or bench/bench_decode.py (BENCH=prefill | decode;
+# ours only) runs once per variant per round in a fresh process (two builds of the extension cannot
+# share one process).  CASES are the benchmark's own --cases.
+# TESTS=1 first runs each variant's own GPU tests (PYTEST_PATHS, from the variant's copy, against its
+# build; a variant whose tests fail is dropped from the timed rounds), so that one call can check and
+# time prepared changes:
+#   TESTS=1 PYTEST_PATHS="tests/python/test_gpu.py" VARIANTS="walk-u" ROUNDS=2 bash scripts/ab_bench.sh
 #   FLASHKDA_COMMIT=<sha of the tree> VARIANTS="old_walk" CASES=0,3 ROUNDS=3 ITERS=30 bash scripts/ab_bench.sh
 # (FLASHKDA_COMMIT goes into each JSON's meta.commit, "+ab/<variant>" for the overlays; without it
 # the commit reads "unknown": the device copy's git metadata can be stale.)
@@ -15,6 +21,7 @@
 # Output: $OUT/ab.log, $OUT/ab_<variant>_r<round>.json, $OUT/ab_summary.md (medians over rounds, per
 # kernel, and each variant against base).  Cost: ~30 s of build per variant, ~10 s per run and case.
 set -uo pipefail
+ROOT=$(pwd)
 OUT=${OUT:-/tmp/flashkda_out}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/ab.log") 2>&1
@@ -28,17 +35,38 @@ names="base $VARIANTS"
 echo "$BENCH variants: $names; cases ${CASES:-all}; $ROUNDS rounds of $ITERS graph replays"
 t0=$(date +%s)
 for v in $names; do
-  if [ "$v" != base ] && [ ! -d "ab/$v" ]; then echo "no overlay folder ab/$v"; exit 2; fi
+  if [ "$v" != base ] && [ ! -d "ab/$v" ] && [ ! -f "experiments/$v.patch" ]; then
+    echo "no overlay folder ab/$v and no experiments/$v.patch"; exit 2
+  fi
   src=/tmp/ab_src/$v
   rm -rf "$src" "/tmp/ab_site/$v" && mkdir -p "$src"
   tar --exclude=./ab --exclude=./build --exclude=./.cache --exclude=./.whl -cf - . | tar -xf - -C "$src"
-  if [ "$v" != base ]; then cp -r "ab/$v/." "$src/"; fi
+  if [ "$v" != base ] && [ -d "ab/$v" ]; then
+    cp -r "ab/$v/." "$src/"
+  elif [ "$v" != base ]; then
+    if ! (cd "$src" && git apply --whitespace=nowarn "$ROOT/experiments/$v.patch"); then
+      echo "experiments/$v.patch does not apply to this tree"; exit 2
+    fi
+  fi
   if ! (cd "$src" && python3 -m pip install -q --no-build-isolation --no-deps --target "/tmp/ab_site/$v" . \
         > "/tmp/ab_build_$v.log" 2>&1); then
     echo "build of $v failed:"; tail -40 "/tmp/ab_build_$v.log"; exit 1
   fi
   echo "built $v: $(( $(date +%s) - t0 )) s"
 done
+if [ "${TESTS:-0}" = 1 ]; then
+  kept=""
+  for v in $names; do
+    echo "== GPU tests of $v (${PYTEST_PATHS:-tests/python/test_gpu.py})"
+    if (cd "/tmp/ab_src/$v" && PYTHONPATH="/tmp/ab_site/$v:/tmp/ab_src/$v/tests/python" timeout "${PYTEST_TIMEOUT:-300}" \
+          python3 -m pytest -m gpu ${PYTEST_PATHS:-tests/python/test_gpu.py} -q -x --maxfail=3 -p no:cacheprovider 2>&1 | tail -15); then
+      kept="$kept $v"
+    else
+      echo "GPU tests of $v FAILED: dropped from the timed rounds"
+    fi
+  done
+  names=$kept
+fi
 for r in $(seq 1 "$ROUNDS"); do
   for v in $names; do
     if [ "$BENCH" = prefill ]; then

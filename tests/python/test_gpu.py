@@ -127,6 +127,21 @@ def test_steep_decay_chunks(gen, use_qk_l2norm, D):
     judge(gen, inp, out, fs, LOOSE_OUT, LOOSE_STATE)
 
 
+def test_tiny_beta_and_keys_stay_finite(gen):
+    """beta ~ 2^-80 and unnormalised keys ~ 2^-20 under an O(1) state: Tb and W are tiny, so VnT is
+    ~2^-80 while the state and the output stay O(1).  The walk's power-of-two shifts must keep every
+    rescaling in fp32's range (a shift chosen from VnT alone would scale the output products by 2^120
+    and overflow them).  The output is then dominated by the state's term, the update by its decay."""
+    inp = make_inputs([300, 17, 64, 131], H=4, D=128, device=DEV, use_qk_l2norm=False, use_beta_sigmoid=False,
+                      generator=gen)
+    inp["k"] = (inp["k"].float() * 2.0 ** -20).to(BF16)
+    inp["beta"] = torch.full_like(inp["beta"], 2.0 ** -80)
+    inp["initial_state"] = inp["initial_state"] * 4.0
+    out, fs = poisoned_outputs(inp)
+    run(inp, out, fs)
+    judge(gen, inp, out, fs, LOOSE_OUT, LOOSE_STATE)
+
+
 @pytest.mark.parametrize("with_state", [True, False])
 def test_fixed_length_batch(gen, with_state):
     inp = make_inputs(None, B=3, T=200, H=4, D=128, device=DEV, with_initial_state=with_state, generator=gen)

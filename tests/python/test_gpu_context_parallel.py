@@ -77,6 +77,10 @@ def test_unaligned_rows(gen, segments):
     base.test_unaligned_rows_take_the_unstaged_path(gen, "all")
 
 
+def test_tiny_beta_and_keys_stay_finite(gen, segments):
+    base.test_tiny_beta_and_keys_stay_finite(gen)
+
+
 @pytest.mark.parametrize("D", [64, 128])
 def test_automatic_choice_on_a_long_sequence(gen, D):
     """[16384] H2: the automatic choice cuts it into segments (N H <= 32); against the reference."""
