@@ -378,6 +378,8 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
       if (c > c_begin) store_out_tile(c - 1);  // overlaps the wgmma batch
     }
     wgmma_wait<0>();
+    wgmma_fence_operands(vn);
+    if constexpr (!kMap) wgmma_fence_operands(o);
     // VnT enters the two remaining products as an fp16 A operand, shifted by a power of two (per
     // warp and chunk) so that |VnT'| < 2^14; MQK and KD come shifted from the record.  The fp32
     // accumulators are rescaled around those products, exactly.
@@ -436,6 +438,8 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
     }
     wgmma_commit();
     wgmma_wait<0>();
+    wgmma_fence_operands(s);
+    if constexpr (!kMap) wgmma_fence_operands(o);
     if constexpr (!kMap) {
 #pragma unroll
       for (int j = 0; j < 8; ++j) {

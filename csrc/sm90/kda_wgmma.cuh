@@ -45,6 +45,18 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
+// Ties accumulator registers to this point of the asm order: the wgmma asm statements write their
+// accumulators at issue as far as the compiler knows, and wgmma_wait names no register, so without
+// this a read of an accumulator could legally be scheduled above the wait that makes it valid.  Put
+// it after each wait, on the accumulators that wait completes (it emits no instruction).
+template <int M>
+__device__ __forceinline__ void wgmma_fence_operands(float (&d)[M][4]) {
+#pragma unroll
+  for (int j = 0; j < M; ++j) {
+    asm volatile("" : "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])::"memory");
+  }
+}
+
 // The register-A instruction forms, written once: FLASHKDA_WGMMA_RS(shape, type, N, d, a, desc_b)
 // issues D(64 x N, fp32) += scale_a A(64 x 16, type, registers) B(16 x N, type, shared memory) with
 // the enclosing template's kScaleA (+-1) and kTransB (1: N-major B).  N64 / N128 select the

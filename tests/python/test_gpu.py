@@ -128,7 +128,7 @@ def test_steep_decay_chunks(gen, use_qk_l2norm, D):
 
 
 def test_tiny_beta_and_keys_stay_finite(gen):
-    """beta ~ 2^-80 and unnormalised keys ~ 2^-20 under an O(1) state: Tb and W are tiny, so VnT is
+    """beta ~ 2^-80 and unnormalised keys ~ 2^-20 under an O(1) state: T_inv diag(b) is tiny, so VnT is
     ~2^-80 while the state and the output stay O(1).  The walk's power-of-two shifts must keep every
     rescaling in fp32's range (a shift chosen from VnT alone would scale the output products by 2^120
     and overflow them).  The output is then dominated by the state's term, the update by its decay."""
