@@ -5,8 +5,8 @@ results of an ablated kernel are wrong; only its time means anything.  perf-note
 table (8x2048 H16: W / UT 72 us, L / MQK 70 us, QT / KD 31 us, ...).
 
     python3 scripts/ab_ablate_prepare.py                 # every ablation -> ab/x_<name>/...
-    python3 scripts/ab_ablate_prepare.py p3 p5 --out ab  # some of them
-    VARIANTS="x_p3 x_p5" CASES=0 ROUNDS=2 bash scripts/ab_bench.sh   # then, on the device
+    python3 scripts/ab_ablate_prepare.py p3 tinv --out ab  # some of them
+    VARIANTS="x_p3 x_tinv" CASES=0 ROUNDS=2 bash scripts/ab_bench.sh   # then, on the device
 
 Each ablation is a list of exact source edits; when the kernel changes so that one no longer
 applies, this script names it and writes nothing (update the edit, do not guess).
@@ -19,7 +19,7 @@ KERNEL = "csrc/sm90/kda_chunk_prepare.cuh"
 
 # name -> (what it removes, [(exact text, replacement)])
 ABLATIONS = {
-    "p2": ("phase 2: QT / KD / kt (their exponentials, record stores, kt registers)",
+    "p2": ("phase 2: QT / KD / KT (their exponentials and record stores)",
            [("""  if (qk16) {
     qt_kd_passes(std::true_type{});
   } else {
@@ -31,14 +31,6 @@ ABLATIONS = {
     } else {
       blocks(std::false_type{});
     }""", "    (void)blocks;")]),
-    "p5": ("phase 5: the W / UT products and their staging (the copy-out stays)",
-           [("""    ut_item(warp, 0);
-    ut_item(warp, 1);
-    w_item(warp < 4 ? 3 : 2, warp & 3);
-    w_item(warp < 4 ? 0 : 1, warp & 3);""", "    (void)ut_item, (void)w_item;")]),
-    "wut_stores": ("the global stores of the staged W / UT tiles (their TMA bulk stores)",
-                   [("""    bulk_store(rW, sWst, kChunk * D * 2);
-    bulk_store(rUT, sUTst, D * kChunk * 2);""", "    (void)rW, (void)rUT;")]),
     "tinv": ("the T_inv column walks (off-diagonal blocks of T_inv)",
              [("  if (warp < 3) {  // column J = warp", "  if (warp < 0) {  // column J = warp")]),
     "gate": ("the bounded gate's two SFU operations per element (the FFMA stays)",

@@ -34,7 +34,7 @@ def unswizzle(t: torch.Tensor) -> torch.Tensor:
 
 
 def record_views(ws: torch.Tensor, slot: int, h: int, H: int, D: int):
-    rec_bytes = 4 * C * D * 2 + C * C * 2 + D * 4 + 128
+    rec_bytes = 3 * C * D * 2 + 2 * C * C * 2 + D * 4 + 128
     base = 4096 + (slot * H + h) * rec_bytes  # after the error header (kWorkspaceHeaderBytes)
     raw = ws.view(torch.uint8)[base: base + rec_bytes]
     off = 0
@@ -45,14 +45,14 @@ def record_views(ws: torch.Tensor, slot: int, h: int, H: int, D: int):
         off += nbytes
         return t
 
-    W = unswizzle(take(C * D * 2, torch.bfloat16, (C, D)))
+    KT = unswizzle(take(C * D * 2, torch.bfloat16, (C, D)))
     QT = unswizzle(take(C * D * 2, torch.bfloat16, (C, D)))
     KD = unswizzle(take(C * D * 2, torch.float16, (C, D)))
-    UT = unswizzle(take(D * C * 2, torch.float16, (D, C)))
+    TB = unswizzle(take(C * C * 2, torch.float16, (C, C)))
     MQK = unswizzle(take(C * C * 2, torch.float16, (C, C)))
     gamma = take(D * 4, torch.float32, (D,))
-    ut_s, mqk_s, kd_s = (int(x) for x in take(12, torch.int32, (3,)).tolist())
-    return dict(W=W, QT=QT, KD=KD.double() * 2.0 ** kd_s, UT=UT.double() * 2.0 ** ut_s,
+    tb_s, mqk_s, kd_s = (int(x) for x in take(12, torch.int32, (3,)).tolist())
+    return dict(KT=KT, QT=QT, KD=KD.double() * 2.0 ** kd_s, TB=TB.double() * 2.0 ** tb_s,
                 MQK=MQK.double() * 2.0 ** mqk_s, gamma=gamma)
 
 
@@ -76,9 +76,7 @@ def expected_records(q, k, v, a, b, scale):
     Lm = torch.where(mask_strict, b[:, None] * KK, torch.zeros_like(KK))
     Mqk = torch.where(mask_incl, scale * QK, torch.zeros_like(QK))
     Tinv = torch.linalg.inv(torch.eye(C, dtype=torch.float64) + Lm)
-    W = Tinv @ (b[:, None] * kt)
-    U = Tinv @ (b[:, None] * v)
-    return dict(W=W, QT=qt, KD=kd, UT=U.T, MQK=Mqk, gamma=Gl.exp())
+    return dict(KT=kt, QT=qt, KD=kd, TB=Tinv * b[None, :], MQK=Mqk, gamma=Gl.exp())
 
 
 def main():

@@ -307,6 +307,15 @@ bool overlaps(const TensorRef& a, const TensorRef& b) {
   return alo < bhi && blo < ahi;
 }
 
+// Whether two given tensors are the same view: same memory, dtype, sizes and strides.
+bool same_view(const TensorRef& a, const TensorRef& b) {
+  if (a.data != b.data || a.dtype != b.dtype || a.ndim != b.ndim) return false;
+  for (int i = 0; i < a.ndim; ++i) {
+    if (a.sizes[i] != b.sizes[i] || a.strides[i] != b.strides[i]) return false;
+  }
+  return true;
+}
+
 using NamedRef = std::pair<const char*, const TensorRef*>;
 
 struct TokenDims {
@@ -784,6 +793,13 @@ Status can_implement(const PrefillParams& p, ProblemShape* shape) {
   // from the inputs too (the checkpoint pass reads them again after out and the states are written)
   for (const auto& s : states) FLASHKDA_TRY(check_apart("out", p.out, s.first, *s.second, ""));
   FLASHKDA_TRY(check_apart("out", p.out, "checkpoint_state", p.checkpoint_state, ""));
+  // The state walk reads each chunk's v rows itself (it forms U = T_inv diag(b) v) while other blocks
+  // write out and the final states: out may be v itself (a block writes exactly the slice of the rows
+  // it has read) but no other view of v's memory, and final_state nothing of v.
+  if (!same_view(p.out, p.v)) {
+    FLASHKDA_TRY(check_apart("out", p.out, "v", p.v, " (unless out is v itself: the state walk reads v while it writes out)"));
+  }
+  FLASHKDA_TRY(check_apart("final_state", p.final_state, "v", p.v, " (the state walk reads v while it writes final states)"));
   if (n_ckpt > 0) {
     const NamedRef written[] = {
         {"out", &p.out}, {"final_state", &p.final_state}, {"checkpoint_state", &p.checkpoint_state}};

@@ -2,15 +2,14 @@
 //
 // Grid: (chunk slots, H).  Block: 256 threads = 8 warps, no warp specialisation; phases are
 // separated by __syncthreads:
-//   1. stage the raw q, k, v, g rows of the chunk in shared memory by cp.async (one round trip;
+//   1. stage the raw q, k, g rows of the chunk in shared memory by cp.async (one round trip;
 //      per-element copies when a row is not 16-byte aligned), beta alongside (rows past the sequence
 //      end are zero: inert tokens); l2-normalise q and k in registers (shuffles inside the 16 lanes
 //      that hold a row), gate -> log decay (log2 units), beta; cumulative decay G by a two-level scan.
 //      q and k are kept as fp16 when l2-normalised (|x| <= 1: 8x finer than bf16) and as the raw bf16
 //      otherwise (exact).
-//   2. write QT = scale q 2^G, KD = k 2^(G_last - G) (fp16, shifted), gamma = 2^G_last to the chunk
-//      record; kt = k 2^G (fp16, held in registers until G is dead) and v to fp16 in place.  Every
-//      exponent here is <= 0.
+//   2. write QT = scale q 2^G, KT = k 2^G (bf16), KD = k 2^(G_last - G) (fp16, shifted), gamma =
+//      2^G_last to the chunk record.  Every exponent here is <= 0.
 //   3. L = strict_lower(diag(b) kt kb^T) and MQK = lower_incl(qt kb^T) on tensor cores, per 16x16
 //      block (I, J).  Off-diagonal blocks use the reference row 16I-1 (the row before block I):
 //      A = k_i 2^(G_i - G_ref), B = k_j 2^(G_ref - G_j), both <= 1 for any gate.  Diagonal blocks use
@@ -22,19 +21,16 @@
 //      off-diagonal ones.  MQK is fp16 with a power-of-two shift from the bound scale |q_i| |k_j|,
 //      written to its staged record image and stored by one TMA bulk copy right after phase 3
 //      (the 4-byte fragment stores it replaced cost 2-3% of a call).
-//   4. kt replaces G; T_inv = (I + L)^-1 replaces q, k: 16x16 diagonal blocks by fp32 forward
+//   4. T_inv = (I + L)^-1 replaces q, k: 16x16 diagonal blocks by fp32 forward
 //      substitution (in phase 3, by the warp that computed L_II, kept in registers until q and k are
 //      dead), then the off-diagonal blocks T_IJ = -T_II sum_M L_IM T_MJ on tf32 mma, one warp per
 //      column J walking I = J+1 .. 3 (a column needs only its own blocks: no block barrier between).
-//   5. W = (T_inv diag(b)) kt and UT = (T_inv diag(b) v)^T as fp16 mma's: v, kt and T_inv diag(b) are
-//      each scaled by a power of two chosen from their block maximum so that every operand and the
-//      U result fit fp16 for any finite input (|v'| < 2^8, |kt'| < 1, |Tb'| < 2, |U'| < 2^15); the
-//      scales are exact and undone on W (fp32 accumulator) and recorded for UT (stored fp16).  fp16's
-//      11-bit mantissa on v and T_inv is what keeps the state error well under bf16's.  The work is
-//      dealt so that every warp issues the same number of mma.  Both tiles are staged in shared memory
-//      (over L and G's second half) as their record images and stored by two TMA bulk copies.
-// Shared memory (D = 128): q, k 16-bit 2 x 17.4 KB (later T_inv fp32 + fp16), G fp32 34.8 KB (later
-// kt), v 17.4 KB, L fp32 16.6 KB, staged MQK 8 KB: about 112 KB, two blocks per SM.
+//   5. Tb = T_inv diag(b) 2^-shift_t (fp16, |Tb'| < 2) goes to the record (its SW128 image staged over
+//      G, one TMA bulk store).  The walk forms VnT = (v^T - S KT^T) Tb^T itself, so neither v nor W
+//      nor U is handled here.  fp16's 11-bit mantissa on T_inv is what keeps the state error well
+//      under bf16's.
+// Shared memory (D = 128): q, k 16-bit 2 x 17.4 KB (later T_inv), G fp32 34.8 KB (later the staged
+// Tb), L fp32 16.6 KB, staged MQK 8 KB: about 95 KB, two blocks per SM.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -58,38 +54,30 @@ struct PrepareSmem {
   // reads its block's rows as float4 without touching the neighbouring block (written concurrently
   // by another warp in phase 3), and the mma A-fragment reads (rows g, column t) are conflict-free.
   static constexpr int kLdT = kChunk + 4;
-  static constexpr int kLdTb = kChunk + 8;
   static constexpr int kQ = 0;                       // 16-bit q [C][kLdH]
   static constexpr int kK = kQ + kChunk * kLdH * 2;  // 16-bit k [C][kLdH]
   static constexpr int kG = kK + kChunk * kLdH * 2;  // fp32 G [C][kLdF]
-  static constexpr int kV = kG + kChunk * kLdF * 4;  // v [C][kLdH]: raw bf16, then scaled fp16
-  static constexpr int kL = kV + kChunk * kLdH * 2;  // fp32 L [C][kLdT]
+  static constexpr int kL = kG + kChunk * kLdF * 4;  // fp32 L [C][kLdT]
   static constexpr int kB = kL + kChunk * kLdT * 4;  // fp32 b [C]
   static constexpr int kTot = kB + kChunk * 4;       // fp32 scan partial sums [4][D]
-  // int-encoded maxima: |v|, |k|, |T_inv b|, |q_row|^2, |k_row|^2
+  // int-encoded maxima: (unused), |k|, |T_inv b|, |q_row|^2, |k_row|^2
   static constexpr int kMax = kTot + 4 * D * 4;
   static constexpr int kEnd = kMax + 32;
   // Phase 4+ aliases (q, k and G are dead by then).  T_inv goes over q and k when they are large
   // enough (D = 128), else after everything (D = 64, where shared memory is plentiful).
-  static constexpr int kTinvBytes = kChunk * kLdT * 4 + kChunk * kLdTb * 2 + 3 * 16 * 17 * 4;
+  static constexpr int kTinvBytes = kChunk * kLdT * 4 + 3 * 16 * 17 * 4;
   static constexpr bool kTinvOverQK = kTinvBytes <= kG - kQ;
-  static constexpr int kKtb = kG;                       // fp16 kt [C][kLdH] over G
   static constexpr int kTi = kTinvOverQK ? kQ : kEnd;   // fp32 T_inv [C][kLdT]
-  static constexpr int kTib = kTi + kChunk * kLdT * 4;  // fp16 T_inv diag(b) [C][kLdTb]
-  static constexpr int kX = kTib + kChunk * kLdTb * 2;  // column-walk scratch 3 x 16 x 17 fp32
+  static constexpr int kX = kTi + kChunk * kLdT * 4;    // column-walk scratch 3 x 16 x 17 fp32
   // MQK [C][C] fp16 staged as its record image in a buffer of its own (nothing is dead in phase 3),
   // stored by one TMA bulk copy right after phase 3.
   static constexpr int kMqkSt = ((kTinvOverQK ? kEnd : kEnd + kTinvBytes) + 15) / 16 * 16;
   static constexpr int kBytes = kMqkSt + kChunk * kChunk * 2;
-  static_assert(kChunk * kLdH * 2 <= kV - kG, "kt must fit over G");
-  // Phase 5 stages the W [C][D] and UT [D][C] record tiles as their SW128 images (sw128_element,
-  // kda_sw128.h) for two TMA bulk stores: W over L (dead after the T_inv walks), UT over G's second
-  // half (kt holds the first).
-  static constexpr int kWst = kL;
-  static constexpr int kUTst = kKtb + kChunk * kLdH * 2;
-  static_assert(kChunk * D * 2 <= kChunk * kLdT * 4, "staged W must fit over L");
-  static_assert(kUTst + D * kChunk * 2 <= kV, "staged UT must fit over G after kt");
-  static_assert(kWst % 16 == 0 && kUTst % 16 == 0, "bulk stores read 16-byte aligned shared memory");
+  // The Tb [C][C] record tile is staged as its SW128 image (sw128_element, kda_sw128.h) over G (dead
+  // after phase 3) for one TMA bulk store.
+  static constexpr int kTbSt = kG;
+  static_assert(kTbSt + kChunk * kChunk * 2 <= kL, "staged Tb must fit over G");
+  static_assert(kTbSt % 16 == 0, "bulk stores read 16-byte aligned shared memory");
   // Two blocks per SM: 228 KB of shared memory an SM, 1 KB of it reserved per block.
   static_assert(D != 128 || 2 * (kBytes + 1024) <= 228 * 1024, "chunk_prepare must fit two blocks per SM");
 };
@@ -223,7 +211,7 @@ __device__ inline void load8_qk(const uint16_t* p, bool fp16, float (&x)[8]) {
   }
 }
 
-// The 16-bit record element (r, col) of a C-row tile (QT, KD, MQK: ChunkRecord's SW128 images).
+// The 16-bit record element (r, col) of a C-row tile (QT, KD, TB, MQK: ChunkRecord's SW128 images).
 __device__ inline bf16* record_element(bf16* tile, int r, int col) {
   return tile + sw128_element<kChunk>(r, col);
 }
@@ -448,7 +436,7 @@ __device__ inline void tinv_diag_block(const float* sL, float (&tcol)[16], int I
 
 // Off-diagonal block (I, J) = (J + d, J) of T_inv: X = sum_{M=J}^{I-1} L_IM T_MJ, then T_IJ = -T_II X, both
 // on tf32 tensor cores with fp32 accumulation.  tf32 keeps fp16's 10-bit mantissa, the precision T_inv
-// diag(b) is stored with for the W / U products anyway; the fp32 range keeps any L finite.  X goes through
+// diag(b) is stored with (Tb, fp16) anyway; the fp32 range keeps any L finite.  X goes through
 // the warp's scratch `xs` to turn from accumulator into operand layout.  One warp walks a column J (I = J+1
 // .. 3): each T_MJ it reads is the diagonal (stored before the barrier) or one it wrote itself, so the chain
 // needs no block barrier between its steps.
@@ -536,16 +524,13 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   uint16_t* sQ = reinterpret_cast<uint16_t*>(smem + SM::kQ);
   uint16_t* sK = reinterpret_cast<uint16_t*>(smem + SM::kK);
   float* sG = reinterpret_cast<float*>(smem + SM::kG);
-  uint16_t* sV = reinterpret_cast<uint16_t*>(smem + SM::kV);
   int* sMax = reinterpret_cast<int*>(smem + SM::kMax);
   float* sL = reinterpret_cast<float*>(smem + SM::kL);
   float* sB = reinterpret_cast<float*>(smem + SM::kB);
   float* sTot = reinterpret_cast<float*>(smem + SM::kTot);
-  uint16_t* sKt = reinterpret_cast<uint16_t*>(smem + SM::kKtb);
   float* sTi = reinterpret_cast<float*>(smem + SM::kTi);
-  uint16_t* sTb = reinterpret_cast<uint16_t*>(smem + SM::kTib);
   float* sX = reinterpret_cast<float*>(smem + SM::kX);
-  constexpr int ldf = SM::kLdF, ldh = SM::kLdH, ldt = SM::kLdT, ldtb = SM::kLdTb;
+  constexpr int ldf = SM::kLdF, ldh = SM::kLdH, ldt = SM::kLdT;
   constexpr int TPR = D / 8;                  // threads per row in the row-parallel phases
   constexpr int RPP = kPrepareThreads / TPR;  // rows per pass
   constexpr int PASSES = kChunk / RPP;
@@ -568,17 +553,16 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   const int c8 = (tid % TPR) * 8, rbase = tid / TPR;
   if (tid < 8) sMax[tid] = 0;  // ordered before the atomics by the first __syncthreads
   float kmax = 0.f, qn2max = 0.f, kn2max = 0.f;
-  __nv_bfloat162 vmax2 = __float2bfloat162_rn(0.f);  // max |v| on packed bf16 (v needs no fp32 here)
 
   // ---- 1. load and preprocess -------------------------------------------------------------------
-  // The chunk's raw q, k, v and g rows are first staged in shared memory: q, k and v in their final
+  // The chunk's raw q, k and g rows are first staged in shared memory: q and k in their final
   // buffers, bf16 g over L (dead until phase 3), fp32 g straight into G.  Each thread stages exactly
   // the 16-byte segments it preprocesses afterwards, so no barrier is needed in between.  When every
   // row is 16-byte aligned (the common case) the staging is cp.async, one round trip for the whole
   // chunk; otherwise a per-element copy loop (kept small and not unrolled: code size matters, the
   // kernel is sensitive to instruction-cache misses).
   const bool gated = a.gate_mode != kGatePrecomputed;
-  const bool staged = a.vec_q && a.vec_k && a.vec_v && a.vec_g;
+  const bool staged = a.vec_q && a.vec_k && a.vec_g;  // v is the walk's (it forms U = Tb v)
   uint16_t* sGraw = reinterpret_cast<uint16_t*>(smem + SM::kL);  // bf16 g staging, pitch D
   static_assert(kChunk * D * 2 <= kChunk * PrepareSmem<D>::kLdT * 4, "bf16 g staging must fit over L");
   // Per-row beta as raw bits and the head's gate parameters are issued first, so that their round
@@ -613,18 +597,15 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     const int gsz = a.g_fp32 ? 4 : 2;
     const char* qp = reinterpret_cast<const char*>(a.q + sp.batch * a.q_sb + h * D + c8);
     const char* kp = reinterpret_cast<const char*>(a.k + sp.batch * a.k_sb + h * D + c8);
-    const char* vp = reinterpret_cast<const char*>(a.v + sp.batch * a.v_sb + h * D + c8);
     const char* gp = static_cast<const char*>(a.g) + (sp.batch * a.g_sb + h * D + c8) * gsz;
-    const int64_t qst = a.q_st * 2, kst = a.k_st * 2, vst = a.v_st * 2, gst = a.g_st * gsz;
+    const int64_t qst = a.q_st * 2, kst = a.k_st * 2, gst = a.g_st * gsz;
     uint16_t* sq = sQ + rbase * ldh + c8;
     uint16_t* sk = sK + rbase * ldh + c8;
-    uint16_t* sv = sV + rbase * ldh + c8;
     float* sg = sG + rbase * ldf + c8;
     uint16_t* sgr = sGraw + rbase * D + c8;
     auto stage_row = [&](int pass, int64_t tok) {
       cp_async_16(sq + pass * RPP * ldh, qp + tok * qst);
       cp_async_16(sk + pass * RPP * ldh, kp + tok * kst);
-      cp_async_16(sv + pass * RPP * ldh, vp + tok * vst);
       if (a.g_fp32) {
         cp_async_16(sg + pass * RPP * ldf, gp + tok * gst);
         cp_async_16(sg + pass * RPP * ldf + 4, gp + tok * gst + 16);
@@ -633,12 +614,12 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
       }
     };
     if (a.token_rows == nullptr) {
-      qp += (tok0 + rbase) * qst, kp += (tok0 + rbase) * kst, vp += (tok0 + rbase) * vst;
+      qp += (tok0 + rbase) * qst, kp += (tok0 + rbase) * kst;
       gp += (tok0 + rbase) * gst;
 #pragma unroll
       for (int pass = 0; pass < PASSES; ++pass) {
         if (rbase + pass * RPP < rows) stage_row(pass, 0);
-        qp += RPP * qst, kp += RPP * kst, vp += RPP * vst, gp += RPP * gst;
+        qp += RPP * qst, kp += RPP * kst, gp += RPP * gst;
       }
       cp_async_commit();
     } else {
@@ -659,14 +640,11 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
           reinterpret_cast<const uint16_t*>(a.q + sp.batch * a.q_sb + tok * a.q_st + h * D + c8);
       const uint16_t* k =
           reinterpret_cast<const uint16_t*>(a.k + sp.batch * a.k_sb + tok * a.k_st + h * D + c8);
-      const uint16_t* v =
-          reinterpret_cast<const uint16_t*>(a.v + sp.batch * a.v_sb + tok * a.v_st + h * D + c8);
       const int64_t go = sp.batch * a.g_sb + tok * a.g_st + h * D + c8;
 #pragma unroll 1
       for (int i = 0; i < 8; ++i) {
         sQ[r * ldh + c8 + i] = q[i];
         sK[r * ldh + c8 + i] = k[i];
-        sV[r * ldh + c8 + i] = v[i];
         if (a.g_fp32) {
           sG[r * ldf + c8 + i] = static_cast<const float*>(a.g)[go + i];
         } else {
@@ -700,15 +678,6 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     if (r < rows) {
       load8_qk(sQ + r * ldh + c8, false, xq);
       load8_qk(sK + r * ldh + c8, false, xk);
-      {
-        const uint4 uv = *reinterpret_cast<const uint4*>(sV + r * ldh + c8);
-        const uint32_t w[4] = {uv.x, uv.y, uv.z, uv.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const uint32_t m = w[i] & 0x7fff7fffu;  // |v| of both halves
-          vmax2 = __hmax2(vmax2, *reinterpret_cast<const __nv_bfloat162*>(&m));
-        }
-      }
       if (a.g_fp32) {
         load8_f32(sG + r * ldf + c8, xg);
       } else {
@@ -765,8 +734,6 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     }
     *reinterpret_cast<float4*>(sG + r * ldf + c8) = make_float4(xg[0], xg[1], xg[2], xg[3]);
     *reinterpret_cast<float4*>(sG + r * ldf + c8 + 4) = make_float4(xg[4], xg[5], xg[6], xg[7]);
-    // Staged v is the raw bf16 in place already; rows past the end are zeroed.
-    if (r >= rows) *reinterpret_cast<uint4*>(sV + r * ldh + c8) = make_uint4(0u, 0u, 0u, 0u);
     if (c8 == 0) sB[r] = b;
   }
   __syncthreads();
@@ -775,9 +742,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
      // totals of the parts before it
     constexpr int P = kPrepareThreads / D, RP = kChunk / P;
     const int col = tid % D, part = tid / D;
-    const float vmax = fmaxf(__low2float(vmax2), __high2float(vmax2));
-    atomicMax(&sMax[0], __float_as_int(vmax));  // non-negative floats order like their bits
-    atomicMax(&sMax[1], __float_as_int(kmax));
+    atomicMax(&sMax[1], __float_as_int(kmax));  // non-negative floats order like their bits
     atomicMax(&sMax[3], __float_as_int(qn2max));
     atomicMax(&sMax[4], __float_as_int(kn2max));
     float x[RP];
@@ -795,10 +760,10 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   __syncthreads();
 
   // ---- 2. QT, KD, gamma ------------------------------------------------------------------------------
-  bf16* rW = reinterpret_cast<bf16*>(rec + ChunkRecord<D>::kW);
+  bf16* rKT = reinterpret_cast<bf16*>(rec + ChunkRecord<D>::kKT);
   bf16* rQT = reinterpret_cast<bf16*>(rec + ChunkRecord<D>::kQT);
   bf16* rKD = reinterpret_cast<bf16*>(rec + ChunkRecord<D>::kKD);
-  bf16* rUT = reinterpret_cast<bf16*>(rec + ChunkRecord<D>::kUT);
+  bf16* rTb = reinterpret_cast<bf16*>(rec + ChunkRecord<D>::kTb);
   bf16* rMQK = reinterpret_cast<bf16*>(rec + ChunkRecord<D>::kMQK);
   bf16* sMQK = reinterpret_cast<bf16*>(smem + SM::kMqkSt);  // MQK's record image, stored after phase 3
   float* rGamma = reinterpret_cast<float*>(rec + ChunkRecord<D>::kGamma);
@@ -808,8 +773,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   const int shift_m = pow2_shift(scale * sqrtf(__int_as_float(sMax[3])) * sqrtf(__int_as_float(sMax[4])), 14);
   const float mqk_scale = scale * pow2i(-shift_m);
   if (tid == 0) {
-    reinterpret_cast<int*>(rec + ChunkRecord<D>::kUtShift)[1] = shift_m;
-    reinterpret_cast<int*>(rec + ChunkRecord<D>::kUtShift)[2] = shift_d;
+    reinterpret_cast<int*>(rec + ChunkRecord<D>::kShifts)[1] = shift_m;
+    reinterpret_cast<int*>(rec + ChunkRecord<D>::kShifts)[2] = shift_d;
   }
   int over = 0;
   if (tid < D) {
@@ -821,12 +786,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
               (gm - sG[(16 * I + 15) * ldf + tid] > kMaxHalfSpanLog2);
     }
   }
-  // kt = k 2^G (fp16, for W in phase 5) shares QT's exponential; it is held in registers through
-  // phase 3 (its buffer aliases G).  v is scaled to fp16 in place: each thread rewrites the segments
-  // it wrote (or cp.async'ed) in phase 1, and nobody reads v before phase 5.
-  const int shift_v = pow2_shift(__int_as_float(sMax[0]), 8);  // |v 2^-shift_v| < 2^8
-  const int shift_k = pow2_shift(__int_as_float(sMax[1]), 0);  // |kt 2^-shift_k| < 1
-  uint4 ktv[PASSES];
+  // KT = k 2^G (bf16: the walk's B operand of S KT^T) shares QT's exponential.
   float gl[8];  // G of the chunk's last row, the same for every pass
   load8_f32(sG + (kChunk - 1) * ldf + c8, gl);
 #pragma unroll
@@ -837,25 +797,21 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
 #pragma unroll
     for (int pass = 0; pass < PASSES; ++pass) {
       const int r = rbase + pass * RPP;
-      float xq[8], xk[8], xd[8], xv[8], xg[8];
+      float xq[8], xk[8], xd[8], xg[8];
       load8_qk(sQ + r * ldh + c8, kF16, xq);
       load8_qk(sK + r * ldh + c8, kF16, xk);
-      load8_qk(sV + r * ldh + c8, false, xv);
       load8_f32(sG + r * ldf + c8, xg);
-      const float sk = pow2i(-shift_k), sv = pow2i(-shift_v);
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         const float gg = xg[i];
         const float e = fast_exp2(gg);
         xq[i] = scale * xq[i] * e;
         xd[i] = xk[i] * fast_exp2(gl[i] - gg);  // gl carries KD's shift
-        xk[i] *= sk * e;
-        xv[i] *= sv;
+        xk[i] *= e;
       }
       store8_bf16(record_element(rQT, r, c8), xq);
       *reinterpret_cast<uint4*>(record_element(rKD, r, c8)) = pack8_f16(xd);
-      ktv[pass] = pack8_f16(xk);
-      *reinterpret_cast<uint4*>(sV + r * ldh + c8) = pack8_f16(xv);
+      store8_bf16(record_element(rKT, r, c8), xk);
     }
   };
   if (qk16) {
@@ -901,16 +857,12 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   }
   fence_proxy_async_shared();  // MQK's staged writes, before the bulk copy reads them (async proxy)
   __syncthreads();
-  if (tid == 0) {  // waited for (its shared-memory read) with W and UT's before the block exits
+  if (tid == 0) {  // waited for (its shared-memory read) with Tb's before the block exits
     bulk_store(rMQK, sMQK, kChunk * kChunk * 2);
     bulk_store_commit();
   }
 
-  // ---- 4. kt over G (phase 3 was G's last reader), then T_inv = (I + L)^-1 over q and k ----------
-#pragma unroll
-  for (int pass = 0; pass < PASSES; ++pass) {
-    *reinterpret_cast<uint4*>(sKt + (rbase + pass * RPP) * ldh + c8) = ktv[pass];
-  }
+  // ---- 4. T_inv = (I + L)^-1 over q and k ---------------------------------------------------------
   if (warp < 4 && lane < 16) {
 #pragma unroll
     for (int i = 0; i < 16; ++i) sTi[(16 * warp + i) * ldt + 16 * warp + lane] = tcol[i];
@@ -952,89 +904,21 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   }
   __syncthreads();
   const int shift_t = pow2_shift(__int_as_float(sMax[2]), 1);  // |Tb 2^-shift_t| < 2
+  // Tb's record image (the walk's B operand of VnT = XT Tb^T), over G (phase 3 was its last reader).
+  bf16* sTbSt = reinterpret_cast<bf16*>(smem + SM::kTbSt);
   {
     const float st = pow2i(-shift_t);
 #pragma unroll
     for (int k = 0; k < kTbPairs; ++k) {
-      *reinterpret_cast<uint32_t*>(sTb + (warp + 8 * k) * ldtb + 2 * lane) =
+      *reinterpret_cast<uint32_t*>(record_element(sTbSt, warp + 8 * k, 2 * lane)) =
           pack_f16(tbv[k].x * st, tbv[k].y * st);
     }
   }
-  __syncthreads();
-
-  // ---- 5. W = Tb kt [C x D] and UT = (Tb v)^T [D x C] (fp16 mma, shifts undone / recorded) -------------
-  const int g = lane >> 2, t = lane & 3;
-  const float w_unscale = pow2i(shift_t + shift_k);
-  if (tid == 0) *reinterpret_cast<int*>(rec + ChunkRecord<D>::kUtShift) = shift_t + shift_v;
-  uint16_t* sWst = reinterpret_cast<uint16_t*>(smem + SM::kWst);
-  uint16_t* sUTst = reinterpret_cast<uint16_t*>(smem + SM::kUTst);
-  // Work items: W row block I x 32 columns costs 4 (I + 1) mma, UT row tile x token half 8 or 16.
-  // They are dealt so that every warp gets the same count (D = 128: 44 mma, D = 64: 20 or 24); the
-  // plain round robin gave one warp 64 and another 24, and the block waited for the slowest.
-  auto w_item = [&](int I, int ng) {  // W rows 16I.., columns 32 ng..
-    float acc[4][4] = {};
-    for (int s = 0; s <= I; ++s) {  // T_inv is block-lower: W_I = sum_{s <= I} Tb_Is kt_s
-      uint32_t af[4];
-      load_a_frag(af, reinterpret_cast<const bf16*>(sTb), ldtb, 16 * I, 16 * s, lane);
-#pragma unroll
-      for (int p = 0; p < 2; ++p) {
-        uint32_t bf[4];
-        load_b_frag_kn(bf, reinterpret_cast<const bf16*>(sKt), ldh, 32 * ng + 16 * p, 16 * s, lane);
-        mma_f16(acc[2 * p], af, bf[0], bf[1]);
-        mma_f16(acc[2 * p + 1], af, bf[2], bf[3]);
-      }
-    }
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      const int col = 32 * ng + 8 * nt + 2 * t;
-      *reinterpret_cast<uint32_t*>(sWst + sw128_element<kChunk>(16 * I + g, col)) =
-          pack_bf16(acc[nt][0] * w_unscale, acc[nt][1] * w_unscale);
-      *reinterpret_cast<uint32_t*>(sWst + sw128_element<kChunk>(16 * I + g + 8, col)) =
-          pack_bf16(acc[nt][2] * w_unscale, acc[nt][3] * w_unscale);
-    }
-  };
-  auto ut_item = [&](int mt, int nh) {  // UT rows 16 mt.., tokens 32 nh..
-    float acc[4][4] = {};
-    const int ksteps = nh ? 4 : 2;  // T_inv^T(r', r) = 0 for r' > r
-    for (int s = 0; s < ksteps; ++s) {
-      uint32_t af[4];
-      load_a_frag_trans(af, reinterpret_cast<const bf16*>(sV), ldh, 16 * mt, 16 * s, lane);
-#pragma unroll
-      for (int p = 0; p < 2; ++p) {
-        uint32_t bf[4];
-        load_b_frag_nk(bf, reinterpret_cast<const bf16*>(sTb), ldtb, 32 * nh + 16 * p, 16 * s, lane);
-        mma_f16(acc[2 * p], af, bf[0], bf[1]);
-        mma_f16(acc[2 * p + 1], af, bf[2], bf[3]);
-      }
-    }
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      const int col = 32 * nh + 8 * nt + 2 * t;
-      *reinterpret_cast<uint32_t*>(sUTst + sw128_element<D>(16 * mt + g, col)) =
-          pack_f16(acc[nt][0], acc[nt][1]);
-      *reinterpret_cast<uint32_t*>(sUTst + sw128_element<D>(16 * mt + g + 8, col)) =
-          pack_f16(acc[nt][2], acc[nt][3]);
-    }
-  };
-  static_assert(kPrepareThreads == 256, "the deal below assumes 8 warps");
-  if constexpr (D ==
-                128) {  // UT: row tile = warp (24); W: 32 columns (warp % 4), blocks {3, 0} or {2, 1} (20)
-    ut_item(warp, 0);
-    ut_item(warp, 1);
-    w_item(warp < 4 ? 3 : 2, warp & 3);
-    w_item(warp < 4 ? 0 : 1, warp & 3);
-  } else {  // UT: (warp / 2, warp % 2) (8 or 16); W: the short blocks 0, 1 to the odd warps (4 .. 16)
-    ut_item(warp >> 1, warp & 1);
-    w_item(((warp & 1) ? 0 : 2) + (warp >> 2), (warp >> 1) & 1);
-  }
-  // The staged tiles are the record's SW128 images: one thread stores each with a TMA bulk copy.  The
-  // fragment layout's 4-byte global stores cost more than the tiles' math, and a 16-byte copy-out by
-  // every thread still ~21 us of 288 on 8x2048 H16 (perf-notes v11, v12).
-  fence_proxy_async_shared();  // the staged writes, before the bulk copies read them (async proxy)
+  if (tid == 0) *reinterpret_cast<int*>(rec + ChunkRecord<D>::kShifts) = shift_t;
+  fence_proxy_async_shared();  // the staged Tb image, before the bulk copy reads it (async proxy)
   __syncthreads();
   if (tid == 0) {
-    bulk_store(rW, sWst, kChunk * D * 2);
-    bulk_store(rUT, sUTst, D * kChunk * 2);
+    bulk_store(rTb, sTbSt, kChunk * kChunk * 2);
     bulk_store_commit();
     bulk_store_wait_read();  // the block's shared memory lives until its last thread exits
   }

@@ -205,25 +205,27 @@ __device__ inline int64_t state_row(const PrefillArgs& a, int64_t n) {
 // sw128_offset<rows>, 128-byte rows of 16-byte pieces XOR-swizzled by row & 7, 64-column halves
 // one after the other), so that state_recurrence moves each tile with one TMA bulk copy.  The
 // matrices below are listed by their logical row-major shape.
-//   W   [C][K]  = T_inv diag(b) (k * exp(G))
+//   KT  [C][K]  = k * exp(G)
 //   QT  [C][K]  = scale * q * exp(G)
 //   KD  [C][K]  fp16 = k * exp(G_last - G) * 2^-KD_SHIFT
-//   UT  [V][C]  fp16 = (T_inv diag(b) v)^T * 2^-UT_SHIFT
+//   TB  [C][C]  fp16 = T_inv diag(b) * 2^-TB_SHIFT (block-lower; the walk forms
+//               VnT = (v^T - S KT^T) TB^T itself from the raw v rows, so v is read once, by the walk,
+//               and neither W = TB kt nor U = TB v is ever formed)
 //   MQK [C][C]  fp16 = lower_incl(qt @ kb^T) * 2^-MQK_SHIFT (scale included)
 //   GAMMA [K] fp32 = exp(G_last)
-//   tail: int32 UT_SHIFT, MQK_SHIFT, KD_SHIFT (128 bytes).  The power-of-two shifts keep the fp16
+//   tail: int32 TB_SHIFT, MQK_SHIFT, KD_SHIFT (128 bytes).  The power-of-two shifts keep the fp16
 //   values in range for any finite input; fp16's 11-bit mantissa is what keeps the error low.
 // ---------------------------------------------------------------------------------------------
 template <int D>
 struct ChunkRecord {
-  static constexpr int kW = 0;
-  static constexpr int kQT = kW + kChunk * D * 2;
+  static constexpr int kKT = 0;
+  static constexpr int kQT = kKT + kChunk * D * 2;
   static constexpr int kKD = kQT + kChunk * D * 2;
-  static constexpr int kUT = kKD + kChunk * D * 2;
-  static constexpr int kMQK = kUT + D * kChunk * 2;
+  static constexpr int kTb = kKD + kChunk * D * 2;
+  static constexpr int kMQK = kTb + kChunk * kChunk * 2;
   static constexpr int kGamma = kMQK + kChunk * kChunk * 2;
-  static constexpr int kUtShift = kGamma + D * 4;
-  static constexpr int kBytes = kUtShift + 128;
+  static constexpr int kShifts = kGamma + D * 4;  // TB, MQK, KD shifts (int32)
+  static constexpr int kBytes = kShifts + 128;
   static_assert(kBytes % 128 == 0, "records must keep 128-byte alignment");
 };
 
@@ -287,6 +289,10 @@ __device__ inline uint32_t tf32_operand(float x) { return __float_as_uint(x) + 0
 
 // 2^e as a float, for |e| <= 126 (exact scaling).
 __device__ inline float pow2i(int e) { return __int_as_float((127 + e) << 23); }
+
+// 2^e with e clamped to [-126, 126]: for sums of shifts whose range is not bounded by construction
+// (only reached for inputs whose values are themselves near fp32's limits).
+__device__ inline float pow2i_sat(int e) { return pow2i(e < -126 ? -126 : (e > 126 ? 126 : e)); }
 
 // The power-of-two shift s with m * 2^-s < 2^target (m >= 0); 0 for m == 0.
 __device__ inline int pow2_shift(float m, int target) {

@@ -3,21 +3,28 @@
 // Grid: (N sequences, H heads, V / (16 NW) state slices).  Block: NW warps (1 or 2 warpgroups);
 // warp w owns state rows v in [v0 + 16w, v0 + 16w + 16) as fp32 accumulators in registers (16 x D
 // per warp, the wgmma accumulator layout), so warps never exchange state.  Per chunk, with the chunk
-// record of chunk_prepare in shared memory, each warpgroup runs on its 64 rows (sm_90a wgmma, A
-// from registers, B from the record's SW128 tiles, kda_wgmma.cuh):
-//   VnT = UT - S W^T            (64 x C: 8 m64n64k16, bf16)
+// record of chunk_prepare and the chunk's v rows (the block's V slice) in shared memory, each
+// warpgroup runs on its 64 rows (sm_90a wgmma, A from registers, B from the record's SW128 tiles,
+// kda_wgmma.cuh):
+//   XT  = v^T - S KT^T          (64 x C: 8 m64n64k16 bf16; the accumulator starts from v^T)
+//   VnT = XT Tb^T               (64 x C: 4 m64n64k16 fp16, XT shifted into fp16)
 //   OT  = S QT^T + VnT MQK^T    (64 x C: 8 + 4 m64n64k16, bf16 / fp16)
 //   S   = S diag(gamma) + VnT KD  (64 x D: 4 m64n128k16, fp16, KD N-major)
+// VnT = T_inv diag(b) (v - kt S^T) is formed here rather than W = Tb kt and U = Tb v in chunk_prepare:
+// v is read once, by the walk (its rows by ldmatrix.trans arrive in the accumulator's own order, so
+// they initialise XT exactly), and chunk_prepare has no W or U products.  XT's group is committed
+// before OT's first products, so its conversion to fp16 overlaps them on the tensor pipe.
 // With mma.sync each warp loaded every B fragment itself (8 warps x ~56 KB of ldmatrix a chunk);
 // wgmma reads each tile once per warpgroup.  The record of chunk c+1 streams in while chunk c is
 // computed (2 stages), issued right after the chunk's one block barrier by one thread as TMA bulk
 // copies (one per tile: the record holds each tile as its SW128 shared-memory image) completing on
 // the stage's mbarrier; with cp.async every thread issued ~20-40 16-byte copies a chunk between the
-// barrier and the first wgmma.  The output tile goes through shared memory so that global stores
+// barrier and the first wgmma.  The chunk's v rows (16 KB at NW = 8) do come by cp.async, 4 a
+// thread: bulk copies of 64 rows would be 64 issues from uniform registers, one lane at a time.  The output tile goes through shared memory so that global stores
 // are 16-byte rows; it is double-buffered and stored during the next chunk's first wgmma batch (one
 // barrier per chunk instead of two).
-// Shared memory (D = 128, NW = 8): 2 stages x (W, QT, KD 3 x 16 KB + MQK 8 KB + UT 16 KB + gamma,
-// rounded to 1 KB) + 2 output tiles x 17 KB + 2 mbarriers + 1 KB alignment: 182 KB.
+// Shared memory (D = 128, NW = 8): 2 stages x (KT, QT, KD 3 x 16 KB + MQK, Tb 2 x 8 KB + v rows 17 KB
+// + gamma, rounded to 1 KB) + 2 output tiles x 17 KB + 2 mbarriers + 1 KB alignment: 201 KB.
 //
 // Block order (kWhole, varlen, more blocks than SMs): blocks take (sequence, head) longest sequence
 // first, head fastest (a.walk_longest_first), so that the longest walks start in the first wave and
@@ -25,10 +32,10 @@
 //
 // Modes (context parallelism, kda_segment_scan.cuh): kWhole walks whole sequences (grid.x = N).
 // kSegmentMap walks one segment of a sequence (grid.x = N max_segs) from S = 0 and from S = I at
-// once: the grid's z covers 2D rows, rows [0, D) are L (the state rows, UT as usual) and rows
-// [D, 2D) are A (UT = 0, starting from the identity), which are the affine map S_end = S_start A + L
-// of the segment, written to the workspace.  No output: QT, MQK and the output tile are not loaded
-// (2 stages x 42 KB at NW = 4, two blocks per SM).  kSegmentApply walks one segment from the start
+// once: the grid's z covers 2D rows, rows [0, D) are L (the state rows, with v as usual) and rows
+// [D, 2D) are A (no v term, starting from the identity), which are the affine map S_end = S_start A
+// + L of the segment, written to the workspace.  No output: QT, MQK and the output tile are not
+// loaded (2 stages x 51 KB at NW = 4, two blocks per SM).  kSegmentApply walks one segment from the start
 // state segment_scan wrote, writes the outputs, and the final state from the last segment.
 #pragma once
 
@@ -47,16 +54,20 @@ template <int D, int NW, bool kMap = false>
 struct RecurrenceSmem {
   static constexpr int kVs = 16 * NW;  // state rows per block
   static constexpr int kLdO = kVs + 8;
-  // W, QT, KD (C x D) and MQK (C x C): SW128 tiles (kda_wgmma.cuh), the B operands of the wgmma.
+  // KT, QT, KD (C x D) and MQK (C x C): SW128 tiles (kda_wgmma.cuh), the B operands of the wgmma.
   static constexpr int kTile = kChunk * D * 2;
-  static constexpr int kW = 0;
-  static constexpr int kQT = kW + kTile;
+  static constexpr int kKT = 0;
+  static constexpr int kQT = kKT + kTile;
   static constexpr int kKD = kQT + (kMap ? 0 : kTile);
   static constexpr int kMQK = kKD + kTile;
-  // UT: the block's kVs rows of the record's [D][C] SW128 image (128-byte rows), one contiguous run.
-  static constexpr int kUT = kMQK + (kMap ? 0 : kChunk * kChunk * 2);
-  static constexpr int kGamma = kUT + kVs * kChunk * 2;
-  static constexpr int kShift = kGamma + D * 4;  // UT, MQK, KD shifts (int32), copied with gamma
+  // Tb [C][C] fp16: SW128, K-major B of XT Tb^T (1024-aligned: kMQK is, and MQK is 8 KB).
+  static constexpr int kTb = kMQK + (kMap ? 0 : kChunk * kChunk * 2);
+  // The chunk's v rows, this block's kVs columns (bf16), padded by 16 bytes so that the 8 rows of an
+  // ldmatrix.trans hit 8 different bank groups; 16-byte cp.async by every thread (copy_v_rows_async).
+  static constexpr int kLdV = kVs + 8;
+  static constexpr int kV = kTb + kChunk * kChunk * 2;
+  static constexpr int kGamma = kV + kChunk * kLdV * 2;
+  static constexpr int kShift = kGamma + D * 4;  // Tb, MQK, KD shifts (int32), copied with gamma
   static constexpr int kGammaCopy = D * 4 + 16;
   static constexpr int kStage = (kShift + 16 + 1023) / 1024 * 1024;  // SW128 tiles stay 1024-aligned
   static constexpr int kOut = 2 * kStage;
@@ -65,30 +76,98 @@ struct RecurrenceSmem {
   // + 1024: the kernel aligns the dynamic shared memory base up to 1024 bytes.
   static constexpr int kBytes = kBar + 16 + 1024;
   static_assert(kMap || 2 * kOutTile >= 32 * NW * 8 + 4, "longest-first scratch fits the out tiles");
-  static_assert(kTile % 1024 == 0 && kMQK % 1024 == 0, "SW128 tiles must be 1024-byte aligned");
-  static_assert(kUT % 16 == 0 && kGamma % 16 == 0 && kBar % 8 == 0, "bulk copy / mbarrier alignment");
+  static_assert(kBytes <= 227 * 1024, "a block's shared memory must fit an SM");
+  static_assert(!kMap || 2 * (kBytes + 1024) <= 228 * 1024, "the map pass runs two blocks per SM");
+  static_assert(kTile % 1024 == 0 && kMQK % 1024 == 0 && kTb % 1024 == 0, "SW128 tiles must be 1024-byte aligned");
+  static_assert(kV % 16 == 0 && (kLdV * 2) % 16 == 0 && kGamma % 16 == 0 && kBar % 8 == 0,
+                "bulk copy / ldmatrix / mbarrier alignment");
 };
 
-// Copies the parts of one chunk record this block needs into a stage: TMA bulk copies issued by one
-// thread, completing on the stage's mbarrier `full` (expect_tx of their total).  The record's tiles
-// are already the stage's SW128 images.  kMap: no QT or MQK; load_ut false for blocks of A rows
-// (their UT is zero).
+// Rows of chunk c of sequence span sp (the last chunk may be short).
+__device__ inline int chunk_rows(const SeqSpan& sp, int c) {
+  const int64_t left = sp.len - static_cast<int64_t>(c) * kChunk;
+  return left < kChunk ? static_cast<int>(left) : kChunk;
+}
+
+// Issues the record copies of chunk c into a stage, completing on the stage's mbarrier `full`: the
+// parts of its record this block needs, as TMA bulk copies by one thread (the record's tiles are
+// already the stage's SW128 images).  kMap: no QT or MQK (A-row blocks of the map pass still need Tb).
 template <int D, int NW, bool kMap>
-__device__ inline void load_record_bulk(const char* rec, unsigned char* stage, int v0, bool load_ut,
-                                        uint64_t* full) {
+__device__ inline void issue_record_copies(const char* rec, unsigned char* stage, uint64_t* full) {
   using SM = RecurrenceSmem<D, NW, kMap>;
   using R = ChunkRecord<D>;
-  static_assert(R::kUtShift == R::kGamma + D * 4, "gamma and the shifts are one run");
-  constexpr uint32_t kUTBytes = SM::kVs * kChunk * 2;
-  const uint32_t bytes = 2 * SM::kTile + (kMap ? 0 : SM::kTile + kChunk * kChunk * 2) +
-                         (load_ut ? kUTBytes : 0) + SM::kGammaCopy;
+  static_assert(R::kShifts == R::kGamma + D * 4, "gamma and the shifts are one run");
+  const uint32_t bytes = 2 * SM::kTile + (kMap ? 0 : SM::kTile + kChunk * kChunk * 2) + kChunk * kChunk * 2 +
+                         SM::kGammaCopy;
   mbar_arrive_expect_tx(full, bytes);
-  bulk_load(stage + SM::kW, rec + R::kW, SM::kTile, full);
+  bulk_load(stage + SM::kKT, rec + R::kKT, SM::kTile, full);
   if constexpr (!kMap) bulk_load(stage + SM::kQT, rec + R::kQT, SM::kTile, full);
   bulk_load(stage + SM::kKD, rec + R::kKD, SM::kTile, full);
   if constexpr (!kMap) bulk_load(stage + SM::kMQK, rec + R::kMQK, kChunk * kChunk * 2, full);
-  if (load_ut) bulk_load(stage + SM::kUT, rec + R::kUT + v0 * kChunk * 2, kUTBytes, full);
+  bulk_load(stage + SM::kTb, rec + R::kTb, kChunk * kChunk * 2, full);
   bulk_load(stage + SM::kGamma, rec + R::kGamma, SM::kGammaCopy, full);
+}
+
+// The chunk's v rows of the block's slice into a stage, when they are 16-byte aligned: 16-byte
+// cp.async by every thread (64 kVs / 8 / 32 NW = 4 a thread), committed as one group that the thread
+// waits for before the next chunk barrier, which publishes the rows.  (Bulk copies, one a row, take
+// their addresses from uniform registers: a warp issues its lanes' copies one after another, and one
+// warp issuing all 64 held its warpgroup's first wgmma back.)
+template <int D, int NW, bool kMap>
+__device__ inline void copy_v_rows_async(const PrefillArgs& a, const SeqSpan& sp, int h, int c, unsigned char* stage,
+                                         int v0, int tid) {
+  using SM = RecurrenceSmem<D, NW, kMap>;
+  constexpr int kThreads = 32 * NW;
+  constexpr int kVec = SM::kVs / 8;  // 16-byte pieces a row
+  if (!a.vec_v) return;
+  const int rows = chunk_rows(sp, c);
+  const int64_t tok0 = sp.bos + static_cast<int64_t>(c) * kChunk;
+  const bf16* base = a.v + sp.batch * a.v_sb + h * D + v0;
+  unsigned char* sv = stage + SM::kV;
+  constexpr int kPerThread = kChunk * kVec / kThreads;
+  // Every row index first (token_rows: one load each, all in flight together; the copies' memory
+  // clobber would otherwise keep each load next to its copy, a round trip per copy), then the copies.
+  int64_t src_row[kPerThread];
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int r = (tid + i * kThreads) / kVec;
+    src_row[i] = r < rows ? mapped_row(a, tok0 + r) : 0;
+  }
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int e = tid + i * kThreads, r = e / kVec, piece = e % kVec;
+    if (r < rows) cp_async_16(sv + r * SM::kLdV * 2 + piece * 16, base + src_row[i] * a.v_st + piece * 8);
+  }
+  cp_async_commit();
+}
+
+// The parts of a stage's v rows copy_v_rows_async does not write, by every thread with ordinary stores:
+// all rows when v's rows are not 16-byte aligned (element copies), and the rows past the end of a
+// short last chunk (zeros: they enter XT, whose columns there meet Tb's zero columns, but 0 times
+// stale bits could be a NaN).  Run
+// while the stage is free (after the chunk barrier that retired its previous use); the next chunk
+// barrier publishes the writes.
+template <int D, int NW, bool kMap>
+__device__ inline void fill_v_rows(const PrefillArgs& a, const SeqSpan& sp, int h, int c, unsigned char* stage, int v0,
+                                   int tid) {
+  using SM = RecurrenceSmem<D, NW, kMap>;
+  constexpr int kThreads = 32 * NW;
+  const int rows = chunk_rows(sp, c);
+  uint16_t* sv = reinterpret_cast<uint16_t*>(stage + SM::kV);
+  if (a.vec_v) {
+    constexpr int kVec = SM::kVs / 8;  // 16-byte pieces a row
+    for (int e = rows * kVec + tid; e < kChunk * kVec; e += kThreads) {
+      *reinterpret_cast<uint4*>(sv + (e / kVec) * SM::kLdV + (e % kVec) * 8) = make_uint4(0u, 0u, 0u, 0u);
+    }
+  } else {
+    const int64_t tok0 = sp.bos + static_cast<int64_t>(c) * kChunk;
+    const uint16_t* v = reinterpret_cast<const uint16_t*>(a.v);
+    for (int e = tid; e < kChunk * SM::kVs; e += kThreads) {
+      const int r = e / SM::kVs, col = e % SM::kVs;
+      sv[r * SM::kLdV + col] =
+          r < rows ? v[sp.batch * a.v_sb + mapped_row(a, tok0 + r) * a.v_st + h * D + v0 + col] : uint16_t{0};
+    }
+  }
 }
 
 template <int D, int NW, RecurrenceMode kMode>
@@ -174,8 +253,12 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
     mbar_init(&full[0], 1);
     mbar_init(&full[1], 1);
     fence_mbarrier_init();
-    if (c_begin < c_end)
-      load_record_bulk<D, NW, kMap>(rec_base + c_begin * rec_stride, smem, v0, !a_rows, &full[0]);
+  }
+  if (tid == 0 && c_begin < c_end)
+    issue_record_copies<D, NW, kMap>(rec_base + c_begin * rec_stride, smem, &full[0]);
+  if (!a_rows && c_begin < c_end) {
+    copy_v_rows_async<D, NW, kMap>(a, sp, h, c_begin, smem, v0, tid);
+    fill_v_rows<D, NW, kMap>(a, sp, h, c_begin, smem, v0, tid);
   }
 
   // State rows of this warp: r0 = v0 + 16 warp + g, r1 = r0 + 8; columns 8 j + 2 t (+1).
@@ -318,44 +401,50 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
     const int k = c - c_begin;
     unsigned char* stage = smem + (k & 1) * SM::kStage;
     mbar_wait(&full[k & 1], (k >> 1) & 1);  // chunk c's record (issued during chunk c - 1)
+    cp_async_wait<0>();                     // this thread's copies of chunk c's v rows
     // The one block barrier of a chunk: every warp is done with chunk c - 1 (its stage, which the
-    // next copy overwrites, and the out tile stored below).
+    // next copy overwrites, and the out tile stored below), and chunk c's v rows are in place.
     __syncthreads();
+    unsigned char* next_stage = smem + ((k + 1) & 1) * SM::kStage;
     if (tid == 0 && c + 1 < c_end) {
-      load_record_bulk<D, NW, kMap>(rec_base + (c + 1) * rec_stride, smem + ((k + 1) & 1) * SM::kStage, v0,
-                                    !a_rows, &full[(k + 1) & 1]);
+      issue_record_copies<D, NW, kMap>(rec_base + (c + 1) * rec_stride, next_stage, &full[(k + 1) & 1]);
     }
+    if (!a_rows && c + 1 < c_end) copy_v_rows_async<D, NW, kMap>(a, sp, h, c + 1, next_stage, v0, tid);
     if (h0_bf16_pending) {  // first chunk only (uniform)
       h0_bf16_convert();
       h0_bf16_pending = false;
     }
     const float* sGamma = reinterpret_cast<const float*>(stage + SM::kGamma);
-    const bf16* sUT = reinterpret_cast<const bf16*>(stage + SM::kUT);
-    const int* shifts = reinterpret_cast<const int*>(stage + SM::kShift);  // UT, MQK, KD
-    const float ut_scale = pow2i(shifts[0]);
+    const int* shifts = reinterpret_cast<const int*>(stage + SM::kShift);  // Tb, MQK, KD
     const uint32_t st = smem_addr(stage);
 
-    // VnT = UT - S W^T and OT = S QT^T share the A operand (the state, as bf16, from registers;
-    // -S by the instruction's scale-a).  Each warpgroup multiplies its 64 rows by the whole tile.
-    float vn[8][4], o[8][4];
+    // XT's accumulator starts from v^T: rows 16 warp .. of the slice (v columns), k = the chunk's
+    // tokens, by ldmatrix.trans from the staged v rows, whose A-fragment order is the accumulator's
+    // (n-tile 2 ks: registers 0, 1; n-tile 2 ks + 1: registers 2, 3), exactly (bf16 -> fp32).  A-row
+    // blocks of the map pass have no v term.
+    float xt[8][4], o[8][4];
+    if (!a_rows) {
+      const bf16* sV = reinterpret_cast<const bf16*>(stage + SM::kV);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int col = 8 * j + 2 * t;
-      if (a_rows) {
-        vn[j][0] = vn[j][1] = vn[j][2] = vn[j][3] = 0.f;
-      } else {
-        // Rows 16 warp + g (+ 8) of the SW128 image: the 8 rows g sit in 8 different 16-byte bank groups.
-        const float2 u0 = __half22float2(
-            *reinterpret_cast<const __half2*>(sUT + sw128_element<SM::kVs>(16 * warp + g, col)));
-        const float2 u1 = __half22float2(
-            *reinterpret_cast<const __half2*>(sUT + sw128_element<SM::kVs>(16 * warp + g + 8, col)));
-        vn[j][0] = u0.x * ut_scale;
-        vn[j][1] = u0.y * ut_scale;
-        vn[j][2] = u1.x * ut_scale;
-        vn[j][3] = u1.y * ut_scale;
+      for (int ks = 0; ks < 4; ++ks) {
+        uint32_t f[4];
+        load_a_frag_trans(f, sV, SM::kLdV, 16 * warp, 16 * ks, lane);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {  // element k in the low half
+          float* e = &xt[2 * ks + (i >> 1)][2 * (i & 1)];
+          e[0] = __uint_as_float(f[i] << 16);
+          e[1] = __uint_as_float(f[i] & 0xffff0000u);
+        }
       }
-      o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) xt[j][0] = xt[j][1] = xt[j][2] = xt[j][3] = 0.f;
     }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    // XT -= S KT^T and OT = S QT^T share the state operand (bf16, from registers; -S by the
+    // instruction's scale-a).  Each warpgroup multiplies its 64 rows by the whole tile.  Two commit
+    // groups: XT's first, so that its conversion below overlaps OT's products.
     uint32_t sa[D / 16][4];
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
@@ -369,20 +458,62 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {  // K-major B: a k16 step is 32 bytes, a half 64 columns
       const uint32_t koff = (ks >> 2) * (kChunk * 128) + (ks & 3) * 32;
-      wgmma_m64n64k16_rs<__nv_bfloat16, -1, 0>(vn, sa[ks], sw128_desc(st + SM::kW + koff, 16, 1024));
-      if constexpr (!kMap)
-        wgmma_m64n64k16_rs<__nv_bfloat16, 1, 0>(o, sa[ks], sw128_desc(st + SM::kQT + koff, 16, 1024));
+      wgmma_m64n64k16_rs<__nv_bfloat16, -1, 0>(xt, sa[ks], sw128_desc(st + SM::kKT + koff, 16, 1024));
     }
     wgmma_commit();
     if constexpr (!kMap) {
-      if (c > c_begin) store_out_tile(c - 1);  // overlaps the wgmma batch
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        const uint32_t koff = (ks >> 2) * (kChunk * 128) + (ks & 3) * 32;
+        wgmma_m64n64k16_rs<__nv_bfloat16, 1, 0>(o, sa[ks], sw128_desc(st + SM::kQT + koff, 16, 1024));
+      }
+      wgmma_commit();
+      if (c > c_begin) store_out_tile(c - 1);  // overlaps the wgmma batches
+      wgmma_wait<1>();  // XT's group (groups complete in order)
+    } else {
+      wgmma_wait<0>();
     }
+    wgmma_fence_operands(xt);
+    // XT enters VnT = XT Tb^T as an fp16 A operand shifted by a power of two (per warp and chunk) so
+    // that |XT'| < 2^15; VnT's accumulator then holds VnT 2^-sx, sx = shift_x + Tb's shift.
+    float xmax = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      xmax = fmaxf(xmax,
+                   fmaxf(fmaxf(fabsf(xt[j][0]), fabsf(xt[j][1])), fmaxf(fabsf(xt[j][2]), fabsf(xt[j][3]))));
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) xmax = fmaxf(xmax, __shfl_xor_sync(0xffffffffu, xmax, off));
+    const int shift_x = pow2_shift(xmax, 15);
+    const int sx = shift_x + shifts[0];
+    uint32_t xa[4][4];
+    {
+      const float x_down = pow2i(-shift_x);
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float* e = &xt[2 * ks + (i >> 1)][2 * (i & 1)];
+          xa[ks][i] = pack_f16(e[0] * x_down, e[1] * x_down);
+        }
+      }
+    }
+    float vn[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) vn[j][0] = vn[j][1] = vn[j][2] = vn[j][3] = 0.f;
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {  // Tb K-major: a k16 step is 32 bytes
+      wgmma_m64n64k16_rs<__half, 1, 0>(vn, xa[ks], sw128_desc(st + SM::kTb + ks * 32, 16, 1024));
+    }
+    wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_operands(vn);
     if constexpr (!kMap) wgmma_fence_operands(o);
     // VnT enters the two remaining products as an fp16 A operand, shifted by a power of two (per
     // warp and chunk) so that |VnT'| < 2^14; MQK and KD come shifted from the record.  The fp32
-    // accumulators are rescaled around those products, exactly.
+    // accumulators are rescaled around those products, exactly (sx: VnT's scale; the saturating
+    // powers only clamp where the result itself leaves fp32's range).
     float vmax = 0.f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -391,7 +522,9 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, off));
-    const int shift_n = pow2_shift(vmax, 14);
+    // shift_n + sx >= -60 bounds the unscaled VnT's shift as before the pre-scale: a tiny VnT (tiny b)
+    // under a large pre-scale would otherwise push o_down / s_down past 2^120 and the products to inf.
+    const int shift_n = max(pow2_shift(vmax, 14), -60 - sx);
     const float vn_down = pow2i(-shift_n);
     uint32_t va[4][4];
 #pragma unroll
@@ -401,8 +534,8 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
       va[ks][2] = pack_f16(vn[2 * ks + 1][0] * vn_down, vn[2 * ks + 1][1] * vn_down);
       va[ks][3] = pack_f16(vn[2 * ks + 1][2] * vn_down, vn[2 * ks + 1][3] * vn_down);
     }
-    const int o_shift = shift_n + shifts[1];
-    const float o_down = pow2i(-o_shift), o_up = pow2i(o_shift);
+    const int o_shift = sx + shift_n + shifts[1];
+    const float o_down = pow2i_sat(-o_shift), o_up = pow2i_sat(o_shift);
     if constexpr (!kMap) {
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
@@ -411,8 +544,8 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
       }
     }
     // S = S diag(gamma) + VnT KD.
-    const int s_shift = shift_n + shifts[2];
-    const float s_down = pow2i(-s_shift), s_up = pow2i(s_shift);
+    const int s_shift = sx + shift_n + shifts[2];
+    const float s_down = pow2i_sat(-s_shift), s_up = pow2i_sat(s_shift);
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
       const float2 gm = *reinterpret_cast<const float2*>(sGamma + 8 * j + 2 * t);
@@ -465,6 +598,8 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
         sOut[(tok + 1) * SM::kLdO + vl + 8] = __float2bfloat16_rn(o[j][3]);
       }
     }
+    // Outside the wgmma batches: inside one, this loop's registers made ptxas fence the batch (C7519).
+    if (!a_rows && c + 1 < c_end) fill_v_rows<D, NW, kMap>(a, sp, h, c + 1, next_stage, v0, tid);
   }
   if constexpr (!kMap) {
     if (c_begin < c_end) {

@@ -110,8 +110,8 @@ TEST(SharedMemoryLayout, Sw128KStepsStayInsideTheAtom) {
 // Shared memory has 32 banks of 4 bytes; the bank of a 16-bit element offset.
 int bank_of(int element) { return (element * 2 / 4) % 32; }
 
-// chunk_prepare stages W [C][D] and UT [D][C] as their record images (sw128_element) and stores
-// them with TMA bulk copies; the staging writes are the mma fragment stores of phase 5.
+// chunk_prepare stages W [C][D] and Tb [C][C] as their record images (sw128_element) and stores
+// them with TMA bulk copies; W's staging writes are the mma fragment stores of phase 5.
 template <int kCols, int kRows>
 void check_staged_tile() {
   std::set<int> seen;
@@ -140,8 +140,13 @@ void check_staged_tile() {
 
 TEST(SharedMemoryLayout, StagedRecordTilesAreConflictFree) {
   check_staged_tile<128, 64>();  // W (C x D, D = 128)
-  check_staged_tile<64, 128>();  // UT (D x C, D = 128)
-  check_staged_tile<64, 64>();   // W and UT at D = 64
+  check_staged_tile<64, 64>();   // W at D = 64, and Tb (C x C)
+  // Tb's image is written a row per warp instruction (lane: the column pair 2 lane): 32 banks.
+  for (int r = 0; r < 64; ++r) {
+    std::set<int> banks;
+    for (int lane = 0; lane < 32; ++lane) banks.insert(bank_of(flashkda::sm90::sw128_element<64>(r, 2 * lane)));
+    EXPECT_EQ(banks.size(), 32u) << "Tb row " << r;
+  }
 }
 
 }  // namespace

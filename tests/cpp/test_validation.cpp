@@ -593,6 +593,31 @@ TEST_F(Validation, OutSharingMemoryWithAState) {
   EXPECT_TRUE(can_implement(p).ok()) << can_implement(p).message;
 }
 
+// The state walk reads v's rows while it writes out and the final states (it forms U = T_inv diag(b) v
+// itself): out may be v itself, not another view of its memory; final_state may not overlap v.
+TEST_F(Validation, OutAndFinalStateAgainstV) {
+  PrefillParams p = valid();
+  p.out = make_tensor_ref(v.data(), DType::kBFloat16, {B, T, H, D});
+  EXPECT_TRUE(can_implement(p).ok()) << can_implement(p).message;  // in place over v
+  p = valid();
+  std::vector<uint16_t> vbuf(B * T * H * D + 64, 0x3f80);
+  p.v = make_tensor_ref(vbuf.data(), DType::kBFloat16, {B, T, H, D});
+  p.out = make_tensor_ref(vbuf.data() + 64, DType::kBFloat16, {B, T, H, D});  // shifted by one head's rows
+  expect_invalid(p, "out");
+  EXPECT_EQ(can_implement(p).message,
+            "flashkda: argument 'out': expected no memory shared with v (unless out is v itself: the state walk "
+            "reads v while it writes out), got an overlap with v");
+  for (uint16_t x : vbuf) ASSERT_EQ(x, 0x3f80) << "v's buffer was written on error";
+  // The same memory with other (valid) strides is another view: tokens and batches swapped.
+  p.out = make_strided_tensor_ref(vbuf.data(), DType::kBFloat16, {B, T, H, D}, {H * D, B * H * D, D, 1});
+  expect_invalid(p, "out");
+  EXPECT_NE(can_implement(p).message.find("expected no memory shared with v"), std::string::npos)
+      << can_implement(p).message;
+  p = valid();
+  p.v = make_tensor_ref(reinterpret_cast<uint16_t*>(states.data()), DType::kBFloat16, {B, T, H, D});
+  expect_invalid(p, "final_state");
+}
+
 TEST_F(Validation, MixedDevices) {
   PrefillParams p = valid();
   p.k.device = DeviceType::kCUDA;
@@ -679,11 +704,11 @@ TEST(WorkspaceSize, ReservesTheSegmentAreaForFewSequencesTimesHeads) {
   const size_t per_slot_head = 3 * 128 * 128 * sizeof(float);
   const size_t records_16 = flashkda::workspace_size(16384, 16, 1) - flashkda::workspace_size(0, 16, 1);
   const size_t records_64 = flashkda::workspace_size(16384, 64, 1) - flashkda::workspace_size(0, 64, 1);
-  EXPECT_EQ(records_16, (16384 / 64) * 16 * (4 * 64 * 128 * 2 + 64 * 64 * 2 + 128 * 4 + 128) +
+  EXPECT_EQ(records_16, (16384 / 64) * 16 * (3 * 64 * 128 * 2 + 2 * 64 * 64 * 2 + 128 * 4 + 128) +
                             (16384 / 2048) * 16 * per_slot_head);
   EXPECT_EQ(records_64,
-            (16384 / 64) * 64 * static_cast<size_t>(4 * 64 * 128 * 2 + 64 * 64 * 2 + 128 * 4 + 128));
+            (16384 / 64) * 64 * static_cast<size_t>(3 * 64 * 128 * 2 + 2 * 64 * 64 * 2 + 128 * 4 + 128));
   // N beyond 32 / H adds records only.
   EXPECT_EQ(flashkda::workspace_size(0, 16, 3) - flashkda::workspace_size(0, 16, 2),
-            16 * static_cast<size_t>(4 * 64 * 128 * 2 + 64 * 64 * 2 + 128 * 4 + 128));
+            16 * static_cast<size_t>(3 * 64 * 128 * 2 + 2 * 64 * 64 * 2 + 128 * 4 + 128));
 }

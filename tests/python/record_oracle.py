@@ -4,13 +4,13 @@ its workspace, so that a test can tell which tile of which (chunk, head) a prepa
 
 The record of one (chunk, head) (ChunkRecord<D> in csrc/sm90/kda_common.cuh, D = K = V, C = 64):
 
-    W   [C, D] bf16   T_inv diag(b) kt               kt = k 2^G,  kb = k 2^-G
+    KT  [C, D] bf16   kt = k 2^G                      (kb = k 2^-G below)
     QT  [C, D] bf16   scale q 2^G
     KD  [C, D] fp16   k 2^(G_last - G) * 2^-shift_d
-    UT  [D, C] fp16   (T_inv diag(b) v)^T * 2^-shift_u
+    TB  [C, C] fp16   T_inv diag(b) * 2^-shift_t
     MQK [C, C] fp16   scale lower_incl(q 2^G kb^T) * 2^-shift_m
     gamma [D] fp32    2^G_last
-    shifts int32      shift_u, shift_m, shift_d (then padding to 128 bytes)
+    shifts int32      shift_t, shift_m, shift_d (then padding to 128 bytes)
 
 with G the within-chunk cumulative log decay in log2 units (G_t = sum_{s <= t} a_s / ln 2), L =
 strict_lower(diag(b) kt kb^T), T_inv = (I + L)^-1, every 16-bit tile stored as its SW128
@@ -18,7 +18,8 @@ shared-memory image (csrc/sm90/kda_sw128.h).  Rows past a sequence's end are ine
 a = 0, b = 0.  The record of chunk c of sequence n sits at slot floor(cu[n] / C) + n + c (varlen) or
 n ceil(T / C) + c (fixed length), head h: byte 4096 + (slot H + h) * record_bytes(D) of the workspace.
 
-:func:`chunk_walk` applies the walk's three products to true (unshifted) tiles in float64; the CPU
+:func:`chunk_walk` applies the walk's products to true (unshifted) tiles and the chunk's v rows
+(the walk reads v itself: neither W = TB kt nor U = TB v is ever stored) in float64; the CPU
 tests check that chaining it over a sequence's chunks is the token recurrence, which is what makes
 the model a specification of the record rather than a second copy of the kernel.
 """
@@ -34,18 +35,18 @@ Tensor = torch.Tensor
 
 C = 64
 HEADER_BYTES = 4096
-TILES = ("W", "QT", "KD", "UT", "MQK")
-_TILE_DTYPE = {"W": torch.bfloat16, "QT": torch.bfloat16, "KD": torch.float16, "UT": torch.float16,
+TILES = ("KT", "QT", "KD", "TB", "MQK")
+_TILE_DTYPE = {"KT": torch.bfloat16, "QT": torch.bfloat16, "KD": torch.float16, "TB": torch.float16,
                "MQK": torch.float16}
 
 
 def record_layout(D: int) -> Dict[str, int]:
     """Byte offsets of the record's parts, and its size ('bytes'), as ChunkRecord<D>."""
-    off = {"W": 0}
-    off["QT"] = off["W"] + C * D * 2
+    off = {"KT": 0}
+    off["QT"] = off["KT"] + C * D * 2
     off["KD"] = off["QT"] + C * D * 2
-    off["UT"] = off["KD"] + C * D * 2
-    off["MQK"] = off["UT"] + D * C * 2
+    off["TB"] = off["KD"] + C * D * 2
+    off["MQK"] = off["TB"] + C * C * 2
     off["gamma"] = off["MQK"] + C * C * 2
     off["shifts"] = off["gamma"] + D * 4
     off["bytes"] = off["shifts"] + 128
@@ -53,7 +54,7 @@ def record_layout(D: int) -> Dict[str, int]:
 
 
 def tile_shape(name: str, D: int) -> Tuple[int, int]:
-    return {"W": (C, D), "QT": (C, D), "KD": (C, D), "UT": (D, C), "MQK": (C, C)}[name]
+    return {"KT": (C, D), "QT": (C, D), "KD": (C, D), "TB": (C, C), "MQK": (C, C)}[name]
 
 
 def sw128_element(rows: int, r: Tensor, col: Tensor) -> Tensor:
@@ -89,7 +90,7 @@ def chunk_slot(n: int, c: int, cu: List[int] = None, T: int = 0) -> int:
 
 def read_record(workspace: Tensor, slot: int, h: int, H: int, D: int) -> Dict:
     """One record from a workspace (uint8, any device) as float64 CPU tensors (tiles as stored, i.e.
-    still shifted) plus the int shifts 'shift_u', 'shift_m', 'shift_d'."""
+    still shifted) plus the int shifts 'shift_t', 'shift_m', 'shift_d'."""
     lay = record_layout(D)
     base = HEADER_BYTES + (slot * H + h) * lay["bytes"]
     raw = workspace[base: base + lay["bytes"]].cpu()
@@ -101,7 +102,7 @@ def read_record(workspace: Tensor, slot: int, h: int, H: int, D: int) -> Dict:
         rec[name] = unswizzle(image, rows, cols).double()
     rec["gamma"] = raw[lay["gamma"]: lay["gamma"] + D * 4].view(torch.float32).double()
     shifts = raw[lay["shifts"]: lay["shifts"] + 12].view(torch.int32).tolist()
-    rec["shift_u"], rec["shift_m"], rec["shift_d"] = shifts
+    rec["shift_t"], rec["shift_m"], rec["shift_d"] = shifts
     return rec
 
 
@@ -109,7 +110,7 @@ def unshifted(rec: Dict) -> Dict:
     """The true tiles of a record read by read_record (its power-of-two shifts undone)."""
     out = dict(rec)
     out["KD"] = rec["KD"] * 2.0 ** rec["shift_d"]
-    out["UT"] = rec["UT"] * 2.0 ** rec["shift_u"]
+    out["TB"] = rec["TB"] * 2.0 ** rec["shift_t"]
     out["MQK"] = rec["MQK"] * 2.0 ** rec["shift_m"]
     return out
 
@@ -117,7 +118,8 @@ def unshifted(rec: Dict) -> Dict:
 def oracle_tiles(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, scale: float) -> Dict[str, Tensor]:
     """The true record tiles of one (chunk, head) from its preprocessed float64 rows (q, k l2-normalised
     if the call normalises; a the natural-log decay; b the activated beta): q, k, a [rows, D], v
-    [rows, D], b [rows], rows <= C.  Rows rows .. C-1 are the inert padding."""
+    [rows, D], b [rows], rows <= C.  Rows rows .. C-1 are the inert padding.  "V" (the padded v rows)
+    is not part of the record: the walk reads it from the input to form U = TB v."""
     rows, D = q.shape
     assert rows <= C
 
@@ -134,10 +136,11 @@ def oracle_tiles(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, scale: f
     T_inv = torch.linalg.inv(torch.eye(C, dtype=torch.float64) + L)
     Tb = T_inv * b[None, :]
     return {
-        "W": Tb @ kt,
+        "KT": kt,
         "QT": scale * q * torch.exp2(G),
         "KD": k * torch.exp2(G[-1:] - G),
-        "UT": (Tb @ v).T,
+        "TB": Tb,
+        "V": v,
         "MQK": scale * torch.tril((q * torch.exp2(G)) @ kb.T),
         "gamma": torch.exp2(G[-1]),
     }
@@ -146,9 +149,9 @@ def oracle_tiles(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, scale: f
 def chunk_walk(S: Tensor, tiles: Dict[str, Tensor]) -> Tuple[Tensor, Tensor]:
     """The walk's products on one chunk in float64 (state S [V, K], V-first): returns (O [C, V], S_end).
 
-        VnT = UT - S W^T,   OT = S QT^T + VnT MQK^T,   S_end = S diag(gamma) + VnT KD
+        VnT = (V^T - S KT^T) TB^T,   OT = S QT^T + VnT MQK^T,   S_end = S diag(gamma) + VnT KD
     """
-    VnT = tiles["UT"] - S @ tiles["W"].T
+    VnT = (tiles["V"].T - S @ tiles["KT"].T) @ tiles["TB"].T
     OT = S @ tiles["QT"].T + VnT @ tiles["MQK"].T
     return OT.T, S * tiles["gamma"][None, :] + VnT @ tiles["KD"]
 
@@ -157,8 +160,8 @@ def write_record(workspace: Tensor, slot: int, h: int, H: int, D: int, tiles: Di
                  shifts: Tuple[int, int, int]) -> None:
     """Stores true tiles as chunk_prepare would (the inverse of read_record + unshifted): each 16-bit tile
     shifted, rounded to its storage dtype and written as its SW128 image.  For tests of the reader."""
-    shift_u, shift_m, shift_d = shifts
-    scaled = dict(tiles, UT=tiles["UT"] * 2.0 ** -shift_u, MQK=tiles["MQK"] * 2.0 ** -shift_m,
+    shift_t, shift_m, shift_d = shifts
+    scaled = dict(tiles, TB=tiles["TB"] * 2.0 ** -shift_t, MQK=tiles["MQK"] * 2.0 ** -shift_m,
                   KD=tiles["KD"] * 2.0 ** -shift_d)
     lay = record_layout(D)
     base = HEADER_BYTES + (slot * H + h) * lay["bytes"]
@@ -169,7 +172,7 @@ def write_record(workspace: Tensor, slot: int, h: int, H: int, D: int, tiles: Di
     gamma = tiles["gamma"].float()  # fp32, flushed below 2^-126 as the kernel's ex2.approx.ftz
     gamma = torch.where(gamma < 2.0 ** -126, torch.zeros_like(gamma), gamma)
     rec[lay["gamma"]: lay["gamma"] + D * 4] = gamma.view(torch.uint8)
-    rec[lay["shifts"]: lay["shifts"] + 12] = torch.tensor([shift_u, shift_m, shift_d], dtype=torch.int32).view(
+    rec[lay["shifts"]: lay["shifts"] + 12] = torch.tensor([shift_t, shift_m, shift_d], dtype=torch.int32).view(
         torch.uint8)
     workspace[base: base + lay["bytes"]] = rec.to(workspace.device)
 

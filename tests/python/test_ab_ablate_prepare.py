@@ -38,7 +38,7 @@ def test_writes_overlays_for_ab_bench(tmp_path):
     for name in ("p3", "gate"):
         written = (root / "ab" / f"x_{name}" / ablate_mod.KERNEL).read_text()
         assert written == ablate_mod.ablate(_kernel(), name)
-    assert not (root / "ab" / "x_p5").exists()
+    assert not (root / "ab" / "x_tinv").exists()
 
 
 def test_a_stale_edit_is_refused_and_nothing_is_written(tmp_path, capsys):

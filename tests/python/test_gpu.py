@@ -192,6 +192,39 @@ def test_unaligned_rows_take_the_unstaged_path(gen, misaligned):
     check_layout_matches_dense(gen, odd, inp)
 
 
+@pytest.mark.parametrize("with_state", [True, False], ids=["h0", "zero"])
+@pytest.mark.parametrize("v_scale", [1e-6, 1e5])
+def test_value_scale_keeps_precision(gen, v_scale, with_state):
+    """The walk forms U = T_inv diag(b) v from v in fp16 under a power-of-two shift chosen per warp and
+    chunk, with the state operand scaled to match: the relative error may not depend on v's magnitude
+    (small v must not sink into fp16 subnormals, large v not overflow), with or without a state."""
+    inp = make_inputs([300, 17, 64, 131], H=4, D=128, device=DEV, with_initial_state=with_state, generator=gen)
+    inp["v"] = (inp["v"].float() * v_scale).to(BF16)
+    if with_state:
+        inp["initial_state"] = inp["initial_state"] * v_scale
+    out, fs = poisoned_outputs(inp)
+    run(inp, out, fs)
+    judge(gen, inp, out, fs, SPEC_OUT, SPEC_STATE)
+
+
+def test_out_in_place_over_v(gen):
+    """out may be v itself: each walk block reads a chunk's v rows (its slice) before it writes the
+    same slice of out.  The result is bitwise that of a separate out."""
+    inp = make_inputs([300, 17, 64, 131], H=4, D=128, device=DEV, generator=gen)
+    out, fs = poisoned_outputs(inp)
+    run(inp, out, fs)
+    v = inp["v"].clone()
+    fs2 = torch.full_like(fs, float("nan"))
+    run(dict(inp, v=v), v, fs2)
+    torch.cuda.synchronize()
+    assert torch.equal(v, out) and torch.equal(fs2, fs)
+    n = v.numel()
+    buf = torch.empty(n + 64, dtype=BF16, device=DEV)
+    buf[:n] = inp["v"].reshape(-1)
+    with pytest.raises(ValueError, match="argument 'out': expected no memory shared with v"):
+        run(dict(inp, v=buf[:n].view(v.shape)), buf[64:].view(v.shape), fs2)  # another view of v's memory
+
+
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_in_place_state(gen, state_dtype):
     inp = make_inputs([50, 0, 129], H=4, D=128, device=DEV, state_dtype=state_dtype, generator=gen)

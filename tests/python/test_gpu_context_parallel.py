@@ -81,6 +81,16 @@ def test_tiny_beta_and_keys_stay_finite(gen, segments):
     base.test_tiny_beta_and_keys_stay_finite(gen)
 
 
+@pytest.mark.parametrize("with_state", [True, False], ids=["h0", "zero"])
+@pytest.mark.parametrize("v_scale", [1e-6, 1e5])
+def test_value_scale_keeps_precision(gen, segments, v_scale, with_state):
+    base.test_value_scale_keeps_precision(gen, v_scale, with_state)
+
+
+def test_out_in_place_over_v(gen, segments):
+    base.test_out_in_place_over_v(gen)
+
+
 @pytest.mark.parametrize("D", [64, 128])
 def test_automatic_choice_on_a_long_sequence(gen, D):
     """[16384] H2: the automatic choice cuts it into segments (N H <= 32); against the reference."""

@@ -1,10 +1,10 @@
 """chunk_prepare's chunk records against the float64 record model (record_oracle.py), tile by tile.
 
 The end-to-end GPU tests judge the output and the final state; when they fail, this test says which
-tile (W, QT, KD, UT, MQK, gamma) of which (sequence, chunk, head) is off, which is what a change to
+tile (KT, QT, KD, TB, MQK, gamma) of which (sequence, chunk, head) is off, which is what a change to
 chunk_prepare (or its replacement) needs.  The records are read from the workspace after the call
 (nothing after chunk_prepare writes them).  Tolerances are the tiles' storage precisions with margin
-(bf16 W / QT, fp16 KD / UT / MQK, fp32 gamma): a wrong tile is off by O(1), a right one by ~1e-3."""
+(bf16 KT / QT, fp16 KD / TB / MQK, fp32 gamma): a wrong tile is off by O(1), a right one by ~1e-3."""
 
 import os
 
@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.gpu,
 
 DEV = "cuda"
 # gamma: fp32, but 2^G_last of the kernel's fp32 gate and cumsum (~1e-6 relative a token) over 64 tokens.
-TOL = {"W": 1e-2, "QT": 1e-2, "KD": 5e-3, "UT": 5e-3, "MQK": 5e-3, "gamma": 1e-3}
+TOL = {"KT": 1e-2, "QT": 1e-2, "KD": 5e-3, "TB": 5e-3, "MQK": 5e-3, "gamma": 1e-3}
 
 
 @pytest.fixture
