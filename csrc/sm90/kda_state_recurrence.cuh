@@ -462,17 +462,9 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
     }
     wgmma_commit();
     if constexpr (!kMap) {
-#pragma unroll
-      for (int ks = 0; ks < D / 16; ++ks) {
-        const uint32_t koff = (ks >> 2) * (kChunk * 128) + (ks & 3) * 32;
-        wgmma_m64n64k16_rs<__nv_bfloat16, 1, 0>(o, sa[ks], sw128_desc(st + SM::kQT + koff, 16, 1024));
-      }
-      wgmma_commit();
-      if (c > c_begin) store_out_tile(c - 1);  // overlaps the wgmma batches
-      wgmma_wait<1>();  // XT's group (groups complete in order)
-    } else {
-      wgmma_wait<0>();
+      if (c > c_begin) store_out_tile(c - 1);  // overlaps the wgmma batch
     }
+    wgmma_wait<0>();
     wgmma_fence_operands(xt);
     // XT enters VnT = XT Tb^T as an fp16 A operand shifted by a power of two (per warp and chunk) so
     // that |XT'| < 2^15; VnT's accumulator then holds VnT 2^-sx, sx = shift_x + Tb's shift.
@@ -507,9 +499,20 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
       wgmma_m64n64k16_rs<__half, 1, 0>(vn, xa[ks], sw128_desc(st + SM::kTb + ks * 32, 16, 1024));
     }
     wgmma_commit();
-    wgmma_wait<0>();
+    // OT = S QT^T is off the state's chain: issued after VnT's products (the tensor pipe runs groups
+    // in order), it runs while VnT is converted and the state's update is issued.
+    if constexpr (!kMap) {
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        const uint32_t koff = (ks >> 2) * (kChunk * 128) + (ks & 3) * 32;
+        wgmma_m64n64k16_rs<__nv_bfloat16, 1, 0>(o, sa[ks], sw128_desc(st + SM::kQT + koff, 16, 1024));
+      }
+      wgmma_commit();
+      wgmma_wait<1>();  // VnT's group
+    } else {
+      wgmma_wait<0>();
+    }
     wgmma_fence_operands(vn);
-    if constexpr (!kMap) wgmma_fence_operands(o);
     // VnT enters the two remaining products as an fp16 A operand, shifted by a power of two (per
     // warp and chunk) so that |VnT'| < 2^14; MQK and KD come shifted from the record.  The fp32
     // accumulators are rescaled around those products, exactly (sx: VnT's scale; the saturating
@@ -536,13 +539,6 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
     }
     const int o_shift = sx + shift_n + shifts[1];
     const float o_down = pow2i_sat(-o_shift), o_up = pow2i_sat(o_shift);
-    if constexpr (!kMap) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[j][e] *= o_down;
-      }
-    }
     // S = S diag(gamma) + VnT KD.
     const int s_shift = sx + shift_n + shifts[2];
     const float s_down = pow2i_sat(-s_shift), s_up = pow2i_sat(s_shift);
@@ -555,13 +551,12 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
       s[j][2] *= g0;
       s[j][3] *= g1;
     }
-    // OT += VnT MQK^T (MQK K-major: rows are tokens; its upper blocks are zero in the record) and
-    // S += VnT KD (KD N-major: rows are the k16 steps' tokens, 2048 bytes a step, halves LBO apart).
+    // S += VnT KD (KD N-major: rows are the k16 steps' tokens, 2048 bytes a step, halves LBO apart),
+    // then, once OT's first products are done, OT += VnT MQK^T (MQK K-major: rows are tokens; its
+    // upper blocks are zero in the record).
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
-      if constexpr (!kMap)
-        wgmma_m64n64k16_rs<__half, 1, 0>(o, va[ks], sw128_desc(st + SM::kMQK + ks * 32, 16, 1024));
       const uint64_t dk = sw128_desc(st + SM::kKD + ks * 2048, kChunk * 128, 1024);
       if constexpr (D == 128) {
         wgmma_m64n128k16_f16_rs<1, 1>(s, va[ks], dk);
@@ -570,6 +565,20 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
       }
     }
     wgmma_commit();
+    if constexpr (!kMap) {
+      wgmma_wait<1>();  // OT's first products (the state update may still run)
+      wgmma_fence_operands(o);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[j][e] *= o_down;
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks)
+        wgmma_m64n64k16_rs<__half, 1, 0>(o, va[ks], sw128_desc(st + SM::kMQK + ks * 32, 16, 1024));
+      wgmma_commit();
+    }
     wgmma_wait<0>();
     wgmma_fence_operands(s);
     if constexpr (!kMap) wgmma_fence_operands(o);
