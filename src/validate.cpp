@@ -797,9 +797,11 @@ Status can_implement(const PrefillParams& p, ProblemShape* shape) {
   // write out and the final states: out may be v itself (a block writes exactly the slice of the rows
   // it has read) but no other view of v's memory, and final_state nothing of v.
   if (!same_view(p.out, p.v)) {
-    FLASHKDA_TRY(check_apart("out", p.out, "v", p.v, " (unless out is v itself: the state walk reads v while it writes out)"));
+    FLASHKDA_TRY(check_apart("out", p.out, "v", p.v,
+                             " (unless out is v itself: the state walk reads v while it writes out)"));
   }
-  FLASHKDA_TRY(check_apart("final_state", p.final_state, "v", p.v, " (the state walk reads v while it writes final states)"));
+  FLASHKDA_TRY(check_apart("final_state", p.final_state, "v", p.v,
+                           " (the state walk reads v while it writes final states)"));
   if (n_ckpt > 0) {
     const NamedRef written[] = {
         {"out", &p.out}, {"final_state", &p.final_state}, {"checkpoint_state", &p.checkpoint_state}};

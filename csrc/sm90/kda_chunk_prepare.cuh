@@ -67,8 +67,8 @@ struct PrepareSmem {
   // enough (D = 128), else after everything (D = 64, where shared memory is plentiful).
   static constexpr int kTinvBytes = kChunk * kLdT * 4 + 3 * 16 * 17 * 4;
   static constexpr bool kTinvOverQK = kTinvBytes <= kG - kQ;
-  static constexpr int kTi = kTinvOverQK ? kQ : kEnd;   // fp32 T_inv [C][kLdT]
-  static constexpr int kX = kTi + kChunk * kLdT * 4;    // column-walk scratch 3 x 16 x 17 fp32
+  static constexpr int kTi = kTinvOverQK ? kQ : kEnd;  // fp32 T_inv [C][kLdT]
+  static constexpr int kX = kTi + kChunk * kLdT * 4;   // column-walk scratch 3 x 16 x 17 fp32
   // MQK [C][C] fp16 staged as its record image in a buffer of its own (nothing is dead in phase 3),
   // stored by one TMA bulk copy right after phase 3.
   static constexpr int kMqkSt = ((kTinvOverQK ? kEnd : kEnd + kTinvBytes) + 15) / 16 * 16;
@@ -562,7 +562,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   // chunk; otherwise a per-element copy loop (kept small and not unrolled: code size matters, the
   // kernel is sensitive to instruction-cache misses).
   const bool gated = a.gate_mode != kGatePrecomputed;
-  const bool staged = a.vec_q && a.vec_k && a.vec_g;  // v is the walk's (it forms U = Tb v)
+  const bool staged = a.vec_q && a.vec_k && a.vec_g;             // v is read by the walk only
   uint16_t* sGraw = reinterpret_cast<uint16_t*>(smem + SM::kL);  // bf16 g staging, pitch D
   static_assert(kChunk * D * 2 <= kChunk * PrepareSmem<D>::kLdT * 4, "bf16 g staging must fit over L");
   // Per-row beta as raw bits and the head's gate parameters are issued first, so that their round

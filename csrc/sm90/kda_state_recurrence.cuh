@@ -12,17 +12,19 @@
 //   S   = S diag(gamma) + VnT KD  (64 x D: 4 m64n128k16, fp16, KD N-major)
 // VnT = T_inv diag(b) (v - kt S^T) is formed here rather than W = Tb kt and U = Tb v in chunk_prepare:
 // v is read once, by the walk (its rows by ldmatrix.trans arrive in the accumulator's own order, so
-// they initialise XT exactly), and chunk_prepare has no W or U products.  XT's group is committed
-// before OT's first products, so its conversion to fp16 overlaps them on the tensor pipe.
+// they initialise XT exactly), and chunk_prepare has no W or U products.  OT's products are issued
+// after VnT's and before OT += VnT MQK^T, the state update's: the tensor pipe runs groups in order, so
+// they stay off the state's chain.
 // With mma.sync each warp loaded every B fragment itself (8 warps x ~56 KB of ldmatrix a chunk);
 // wgmma reads each tile once per warpgroup.  The record of chunk c+1 streams in while chunk c is
 // computed (2 stages), issued right after the chunk's one block barrier by one thread as TMA bulk
 // copies (one per tile: the record holds each tile as its SW128 shared-memory image) completing on
 // the stage's mbarrier; with cp.async every thread issued ~20-40 16-byte copies a chunk between the
 // barrier and the first wgmma.  The chunk's v rows (16 KB at NW = 8) do come by cp.async, 4 a
-// thread: bulk copies of 64 rows would be 64 issues from uniform registers, one lane at a time.  The output tile goes through shared memory so that global stores
-// are 16-byte rows; it is double-buffered and stored during the next chunk's first wgmma batch (one
-// barrier per chunk instead of two).
+// thread: bulk copies of 64 rows would be 64 issues from uniform registers, one lane at a time.  The
+// output tile goes through shared memory so that global stores are 16-byte rows; it is
+// double-buffered and stored during the next chunk's first wgmma batch (one barrier per chunk
+// instead of two).
 // Shared memory (D = 128, NW = 8): 2 stages x (KT, QT, KD 3 x 16 KB + MQK, Tb 2 x 8 KB + v rows 17 KB
 // + gamma, rounded to 1 KB) + 2 output tiles x 17 KB + 2 mbarriers + 1 KB alignment: 201 KB.
 //
@@ -78,10 +80,35 @@ struct RecurrenceSmem {
   static_assert(kMap || 2 * kOutTile >= 32 * NW * 8 + 4, "longest-first scratch fits the out tiles");
   static_assert(kBytes <= 227 * 1024, "a block's shared memory must fit an SM");
   static_assert(!kMap || 2 * (kBytes + 1024) <= 228 * 1024, "the map pass runs two blocks per SM");
-  static_assert(kTile % 1024 == 0 && kMQK % 1024 == 0 && kTb % 1024 == 0, "SW128 tiles must be 1024-byte aligned");
+  static_assert(kTile % 1024 == 0 && kMQK % 1024 == 0 && kTb % 1024 == 0,
+                "SW128 tiles must be 1024-byte aligned");
   static_assert(kV % 16 == 0 && (kLdV * 2) % 16 == 0 && kGamma % 16 == 0 && kBar % 8 == 0,
                 "bulk copy / ldmatrix / mbarrier alignment");
 };
+
+// max |x| over a warp's 16 x 64 accumulator tile (every lane gets it).
+__device__ inline float warp_abs_max(const float (&x)[8][4]) {
+  float m = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    m = fmaxf(m, fmaxf(fmaxf(fabsf(x[j][0]), fabsf(x[j][1])), fmaxf(fabsf(x[j][2]), fabsf(x[j][3]))));
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  return m;
+}
+
+// A 16 x 64 accumulator tile times `scale` as the fp16 A fragments of four k16 steps (the accumulator's
+// n-tiles 2 ks and 2 ks + 1 are step ks's k halves).
+__device__ inline void acc_to_a_f16(const float (&x)[8][4], float scale, uint32_t (&a)[4][4]) {
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float* e = &x[2 * ks + (i >> 1)][2 * (i & 1)];
+      a[ks][i] = pack_f16(e[0] * scale, e[1] * scale);
+    }
+  }
+}
 
 // Rows of chunk c of sequence span sp (the last chunk may be short).
 __device__ inline int chunk_rows(const SeqSpan& sp, int c) {
@@ -97,8 +124,8 @@ __device__ inline void issue_record_copies(const char* rec, unsigned char* stage
   using SM = RecurrenceSmem<D, NW, kMap>;
   using R = ChunkRecord<D>;
   static_assert(R::kShifts == R::kGamma + D * 4, "gamma and the shifts are one run");
-  const uint32_t bytes = 2 * SM::kTile + (kMap ? 0 : SM::kTile + kChunk * kChunk * 2) + kChunk * kChunk * 2 +
-                         SM::kGammaCopy;
+  const uint32_t bytes =
+      2 * SM::kTile + (kMap ? 0 : SM::kTile + kChunk * kChunk * 2) + kChunk * kChunk * 2 + SM::kGammaCopy;
   mbar_arrive_expect_tx(full, bytes);
   bulk_load(stage + SM::kKT, rec + R::kKT, SM::kTile, full);
   if constexpr (!kMap) bulk_load(stage + SM::kQT, rec + R::kQT, SM::kTile, full);
@@ -114,8 +141,8 @@ __device__ inline void issue_record_copies(const char* rec, unsigned char* stage
 // their addresses from uniform registers: a warp issues its lanes' copies one after another, and one
 // warp issuing all 64 held its warpgroup's first wgmma back.)
 template <int D, int NW, bool kMap>
-__device__ inline void copy_v_rows_async(const PrefillArgs& a, const SeqSpan& sp, int h, int c, unsigned char* stage,
-                                         int v0, int tid) {
+__device__ inline void copy_v_rows_async(const PrefillArgs& a, const SeqSpan& sp, int h, int c,
+                                         unsigned char* stage, int v0, int tid) {
   using SM = RecurrenceSmem<D, NW, kMap>;
   constexpr int kThreads = 32 * NW;
   constexpr int kVec = SM::kVs / 8;  // 16-byte pieces a row
@@ -144,12 +171,11 @@ __device__ inline void copy_v_rows_async(const PrefillArgs& a, const SeqSpan& sp
 // The parts of a stage's v rows copy_v_rows_async does not write, by every thread with ordinary stores:
 // all rows when v's rows are not 16-byte aligned (element copies), and the rows past the end of a
 // short last chunk (zeros: they enter XT, whose columns there meet Tb's zero columns, but 0 times
-// stale bits could be a NaN).  Run
-// while the stage is free (after the chunk barrier that retired its previous use); the next chunk
-// barrier publishes the writes.
+// stale bits could be a NaN).  Run while the stage is free (after the chunk barrier that retired its
+// previous use); the next chunk barrier publishes the writes.
 template <int D, int NW, bool kMap>
-__device__ inline void fill_v_rows(const PrefillArgs& a, const SeqSpan& sp, int h, int c, unsigned char* stage, int v0,
-                                   int tid) {
+__device__ inline void fill_v_rows(const PrefillArgs& a, const SeqSpan& sp, int h, int c,
+                                   unsigned char* stage, int v0, int tid) {
   using SM = RecurrenceSmem<D, NW, kMap>;
   constexpr int kThreads = 32 * NW;
   const int rows = chunk_rows(sp, c);
@@ -442,9 +468,8 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
     }
 #pragma unroll
     for (int j = 0; j < 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-    // XT -= S KT^T and OT = S QT^T share the state operand (bf16, from registers; -S by the
-    // instruction's scale-a).  Each warpgroup multiplies its 64 rows by the whole tile.  Two commit
-    // groups: XT's first, so that its conversion below overlaps OT's products.
+    // XT -= S KT^T and, later, OT = S QT^T share the state operand (bf16, from registers; -S by the
+    // instruction's scale-a).  Each warpgroup multiplies its 64 rows by the whole tile.
     uint32_t sa[D / 16][4];
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
@@ -468,28 +493,10 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
     wgmma_fence_operands(xt);
     // XT enters VnT = XT Tb^T as an fp16 A operand shifted by a power of two (per warp and chunk) so
     // that |XT'| < 2^15; VnT's accumulator then holds VnT 2^-sx, sx = shift_x + Tb's shift.
-    float xmax = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      xmax = fmaxf(xmax,
-                   fmaxf(fmaxf(fabsf(xt[j][0]), fabsf(xt[j][1])), fmaxf(fabsf(xt[j][2]), fabsf(xt[j][3]))));
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) xmax = fmaxf(xmax, __shfl_xor_sync(0xffffffffu, xmax, off));
-    const int shift_x = pow2_shift(xmax, 15);
+    const int shift_x = pow2_shift(warp_abs_max(xt), 15);
     const int sx = shift_x + shifts[0];
     uint32_t xa[4][4];
-    {
-      const float x_down = pow2i(-shift_x);
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float* e = &xt[2 * ks + (i >> 1)][2 * (i & 1)];
-          xa[ks][i] = pack_f16(e[0] * x_down, e[1] * x_down);
-        }
-      }
-    }
+    acc_to_a_f16(xt, pow2i(-shift_x), xa);
     float vn[8][4];
 #pragma unroll
     for (int j = 0; j < 8; ++j) vn[j][0] = vn[j][1] = vn[j][2] = vn[j][3] = 0.f;
@@ -517,26 +524,11 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
     // warp and chunk) so that |VnT'| < 2^14; MQK and KD come shifted from the record.  The fp32
     // accumulators are rescaled around those products, exactly (sx: VnT's scale; the saturating
     // powers only clamp where the result itself leaves fp32's range).
-    float vmax = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      vmax = fmaxf(vmax,
-                   fmaxf(fmaxf(fabsf(vn[j][0]), fabsf(vn[j][1])), fmaxf(fabsf(vn[j][2]), fabsf(vn[j][3]))));
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, off));
     // shift_n + sx >= -60 bounds the unscaled VnT's shift as before the pre-scale: a tiny VnT (tiny b)
     // under a large pre-scale would otherwise push o_down / s_down past 2^120 and the products to inf.
-    const int shift_n = max(pow2_shift(vmax, 14), -60 - sx);
-    const float vn_down = pow2i(-shift_n);
+    const int shift_n = max(pow2_shift(warp_abs_max(vn), 14), -60 - sx);
     uint32_t va[4][4];
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      va[ks][0] = pack_f16(vn[2 * ks][0] * vn_down, vn[2 * ks][1] * vn_down);
-      va[ks][1] = pack_f16(vn[2 * ks][2] * vn_down, vn[2 * ks][3] * vn_down);
-      va[ks][2] = pack_f16(vn[2 * ks + 1][0] * vn_down, vn[2 * ks + 1][1] * vn_down);
-      va[ks][3] = pack_f16(vn[2 * ks + 1][2] * vn_down, vn[2 * ks + 1][3] * vn_down);
-    }
+    acc_to_a_f16(vn, pow2i(-shift_n), va);
     const int o_shift = sx + shift_n + shifts[1];
     const float o_down = pow2i_sat(-o_shift), o_up = pow2i_sat(o_shift);
     // S = S diag(gamma) + VnT KD.

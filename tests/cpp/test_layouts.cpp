@@ -144,7 +144,8 @@ TEST(SharedMemoryLayout, StagedRecordTilesAreConflictFree) {
   // Tb's image is written a row per warp instruction (lane: the column pair 2 lane): 32 banks.
   for (int r = 0; r < 64; ++r) {
     std::set<int> banks;
-    for (int lane = 0; lane < 32; ++lane) banks.insert(bank_of(flashkda::sm90::sw128_element<64>(r, 2 * lane)));
+    for (int lane = 0; lane < 32; ++lane)
+      banks.insert(bank_of(flashkda::sm90::sw128_element<64>(r, 2 * lane)));
     EXPECT_EQ(banks.size(), 32u) << "Tb row " << r;
   }
 }

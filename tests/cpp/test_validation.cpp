@@ -604,9 +604,10 @@ TEST_F(Validation, OutAndFinalStateAgainstV) {
   p.v = make_tensor_ref(vbuf.data(), DType::kBFloat16, {B, T, H, D});
   p.out = make_tensor_ref(vbuf.data() + 64, DType::kBFloat16, {B, T, H, D});  // shifted by one head's rows
   expect_invalid(p, "out");
-  EXPECT_EQ(can_implement(p).message,
-            "flashkda: argument 'out': expected no memory shared with v (unless out is v itself: the state walk "
-            "reads v while it writes out), got an overlap with v");
+  EXPECT_EQ(
+      can_implement(p).message,
+      "flashkda: argument 'out': expected no memory shared with v (unless out is v itself: the state walk "
+      "reads v while it writes out), got an overlap with v");
   for (uint16_t x : vbuf) ASSERT_EQ(x, 0x3f80) << "v's buffer was written on error";
   // The same memory with other (valid) strides is another view: tokens and batches swapped.
   p.out = make_strided_tensor_ref(vbuf.data(), DType::kBFloat16, {B, T, H, D}, {H * D, B * H * D, D, 1});
