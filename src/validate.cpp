@@ -793,7 +793,7 @@ Status can_implement(const PrefillParams& p, ProblemShape* shape) {
   // from the inputs too (the checkpoint pass reads them again after out and the states are written)
   for (const auto& s : states) FLASHKDA_TRY(check_apart("out", p.out, s.first, *s.second, ""));
   FLASHKDA_TRY(check_apart("out", p.out, "checkpoint_state", p.checkpoint_state, ""));
-  // The state walk reads each chunk's v rows itself (it forms U = T_inv diag(b) v) while other blocks
+  // The state walk reads each chunk's v rows itself (it forms T_inv diag(b) (v - kt S^T)) while other blocks
   // write out and the final states: out may be v itself (a block writes exactly the slice of the rows
   // it has read) but no other view of v's memory, and final_state nothing of v.
   if (!same_view(p.out, p.v)) {

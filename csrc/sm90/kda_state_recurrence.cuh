@@ -253,7 +253,7 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
     c_end = min(nchunks, c_begin + a.seg_chunks);
     last_segment = seg == nseg - 1;
   }
-  // Map blocks: rows [0, D) are L, rows [D, 2D) are A (no UT, identity start).
+  // Map blocks: rows [0, D) are L, rows [D, 2D) are A (no v term, identity start).
   const bool a_rows = kMap && v0 >= D;
 
   if (srow < 0) {  // padded sequence: zero its output rows, touch no state

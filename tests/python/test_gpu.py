@@ -195,8 +195,8 @@ def test_unaligned_rows_take_the_unstaged_path(gen, misaligned):
 @pytest.mark.parametrize("with_state", [True, False], ids=["h0", "zero"])
 @pytest.mark.parametrize("v_scale", [1e-6, 1e5])
 def test_value_scale_keeps_precision(gen, v_scale, with_state):
-    """The walk forms U = T_inv diag(b) v from v in fp16 under a power-of-two shift chosen per warp and
-    chunk, with the state operand scaled to match: the relative error may not depend on v's magnitude
+    """The walk forms VnT = (v^T - S KT^T) Tb^T with XT = v^T - S KT^T taken into fp16 under a
+    power-of-two shift chosen per warp and chunk: the relative error may not depend on v's magnitude
     (small v must not sink into fp16 subnormals, large v not overflow), with or without a state."""
     inp = make_inputs([300, 17, 64, 131], H=4, D=128, device=DEV, with_initial_state=with_state, generator=gen)
     inp["v"] = (inp["v"].float() * v_scale).to(BF16)
