@@ -12,7 +12,7 @@
 # share one process).  CASES are the benchmark's own --cases.
 # TESTS=1 first runs each variant's own GPU tests (PYTEST_PATHS, from the variant's copy, against its
 # build; a variant whose tests fail is dropped from the timed rounds), so that one call can check and
-# time prepared changes:
+# time prepared changes (base, main itself, is not tested again unless TEST_BASE=1):
 #   TESTS=1 PYTEST_PATHS="tests/python/test_gpu.py" VARIANTS="walk-u" ROUNDS=2 bash scripts/ab_bench.sh
 #   FLASHKDA_COMMIT=<sha of the tree> VARIANTS="old_walk" CASES=0,3 ROUNDS=3 ITERS=30 bash scripts/ab_bench.sh
 # (FLASHKDA_COMMIT goes into each JSON's meta.commit, "+ab/<variant>" for the overlays; without it
@@ -57,6 +57,8 @@ done
 if [ "${TESTS:-0}" = 1 ]; then
   kept=""
   for v in $names; do
+    # base is main as it stands, tested on its own (TEST_BASE=1 tests it here too)
+    if [ "$v" = base ] && [ "${TEST_BASE:-0}" != 1 ]; then kept="$kept $v"; continue; fi
     echo "== GPU tests of $v (${PYTEST_PATHS:-tests/python/test_gpu.py})"
     if (cd "/tmp/ab_src/$v" && PYTHONPATH="/tmp/ab_site/$v:/tmp/ab_src/$v/tests/python" timeout "${PYTEST_TIMEOUT:-300}" \
           python3 -m pytest -m gpu ${PYTEST_PATHS:-tests/python/test_gpu.py} -q -x --maxfail=3 -p no:cacheprovider 2>&1 | tail -15); then
