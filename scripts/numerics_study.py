@@ -81,7 +81,7 @@ KNOBS = ("QT", "KD", "MQK", "TINV", "W", "U", "S", "VN")
 def config(base: str = "bf16", op: str = "bf16", acc: str = "fp32", out: str = "bf16", **kw) -> dict:
     cfg = {k: base for k in KNOBS}
     cfg.update(FOFF=op, FDIAG=op, BK=op, BV=op, ACC=acc, OUT=out, FOLD=False, FSHARE=False, WUWALK=False,
-               KTOP="fp16", XOP="fp16", UWALK=False)
+               KTOP="fp16", XOP="fp16", UWALK=False, PWALK=False, WTOP="bf16")
     for k, v in kw.items():
         assert k in cfg, k
         cfg[k] = v
@@ -206,7 +206,7 @@ def emulate(inp, cfg, ranges=None):
         bv = rnd((b * v).double(), cfg["BV"])
     W = R(A(Tinv @ bk), "W")
     U = R(A(Tinv @ bv), "U")
-    if cfg["WUWALK"] or cfg["UWALK"]:
+    if cfg["WUWALK"] or cfg["UWALK"] or cfg["PWALK"]:
         # W and U never formed (the FlashKDA-peer scheme): the walk computes X = v - kt S^T and
         # Vn = (T_inv diag(b)) X, from the records kt (KTOP) and Tb = T_inv diag(b) (TINV, fp16 with a
         # power-of-two shift as today), X rounded to the operand type XOP (fp16s: fp16 with a per-warp
@@ -228,7 +228,10 @@ def emulate(inp, cfg, ranges=None):
     for c in range(nC):
         Sop = R(S, "S")
         SopT = Sop.transpose(-1, -2)  # [N, H, K, V]
-        if cfg["UWALK"]:  # U = Tb v in the walk (v exact, Tb fp16 with a shift), W from the record
+        if cfg["PWALK"]:  # the producer warpgroup: W^T = kt^T Tb^T rounded to WTOP, U^T = v^T Tb^T fp32
+            Wp = rnd(A(Tb[:, c] @ kt_rec[:, c]), cfg["WTOP"])
+            Vn = A(A(Tb[:, c] @ v_in[:, c]) - Wp @ SopT)
+        elif cfg["UWALK"]:  # U = Tb v in the walk (v exact, Tb fp16 with a shift), W from the record
             Vn = A(Tb[:, c] @ v_in[:, c] - W[:, c] @ SopT)
         elif cfg["WUWALK"]:
             X = A(v_in[:, c] - kt_rec[:, c] @ SopT)
@@ -338,6 +341,13 @@ def main():
          ("K, W/U in walk: kt fp16, X fp32", dict(kern, WUWALK=True, KTOP="fp16", XOP="fp32")),
          ("K, W/U in walk: kt fp16, X fp16s, S hilo", dict(kern, WUWALK=True, XOP="fp16s", S="hilo")),
          ("K, U in walk (Tb v + W S^T), W record", dict(kern, UWALK=True))],
+        cases)
+
+    print("# --- (9) the producer-warpgroup walk (experiments/walk-producer*.patch): kt bf16 and Tb fp16")
+    print("#     records as walk-wu's, W = Tb kt formed in fp32 and rounded to WTOP, U = Tb v kept fp32")
+    run([("K, W/U in walk: kt bf16, X fp16s (walk-wu, main)", dict(kern, WUWALK=True, KTOP="bf16", XOP="fp16s")),
+         ("K, producer walk: kt bf16, W bf16, U fp32", dict(kern, PWALK=True, KTOP="bf16", WTOP="bf16")),
+         ("K, producer walk: kt bf16, W fp32 (bound)", dict(kern, PWALK=True, KTOP="bf16", WTOP="fp32"))],
         cases)
 
     if "--quick" not in sys.argv:
