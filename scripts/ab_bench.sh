@@ -14,6 +14,7 @@
 # build; a variant whose tests fail is dropped from the timed rounds), so that one call can check and
 # time prepared changes (base, main itself, is not tested again unless TEST_BASE=1):
 #   TESTS=1 PYTEST_PATHS="tests/python/test_gpu.py" VARIANTS="walk-u" ROUNDS=2 bash scripts/ab_bench.sh
+# SANITIZE_VARIANTS (a subset of VARIANTS) adds memcheck and racecheck of sanitize_case.py per variant.
 #   FLASHKDA_COMMIT=<sha of the tree> VARIANTS="old_walk" CASES=0,3 ROUNDS=3 ITERS=30 bash scripts/ab_bench.sh
 # (FLASHKDA_COMMIT goes into each JSON's meta.commit, "+ab/<variant>" for the overlays; without it
 # the commit reads "unknown": the device copy's git metadata can be stale.)
@@ -69,6 +70,16 @@ if [ "${TESTS:-0}" = 1 ]; then
   done
   names=$kept
 fi
+# SANITIZE_VARIANTS="<v> ...": compute-sanitizer memcheck and racecheck of scripts/sanitize_case.py against
+# each named variant's own build (its H = 2 walks are the 4-warp kind), e.g. for the patch about to land.
+for v in ${SANITIZE_VARIANTS:-}; do
+  for tool in memcheck racecheck; do
+    echo "== $tool of $v (scripts/sanitize_case.py)"
+    (cd "/tmp/ab_src/$v" && PYTHONPATH="/tmp/ab_site/$v" timeout "${SANITIZE_TIMEOUT:-150}" \
+      compute-sanitizer --tool "$tool" --error-exitcode 9 python3 scripts/sanitize_case.py 2>&1 | tail -4)
+    echo "$tool of $v rc=$?"
+  done
+done
 for r in $(seq 1 "$ROUNDS"); do
   for v in $names; do
     if [ "$BENCH" = prefill ]; then
