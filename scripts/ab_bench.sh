@@ -60,6 +60,8 @@ if [ "${TESTS:-0}" = 1 ]; then
   for v in $names; do
     # base is main as it stands, tested on its own (TEST_BASE=1 tests it here too)
     if [ "$v" = base ] && [ "${TEST_BASE:-0}" != 1 ]; then kept="$kept $v"; continue; fi
+    # TEST_VARIANTS (default: every variant) limits the tests to the variants named there
+    if [ -n "${TEST_VARIANTS:-}" ] && [[ " $TEST_VARIANTS " != *" $v "* ]]; then kept="$kept $v"; continue; fi
     echo "== GPU tests of $v (${PYTEST_PATHS:-tests/python/test_gpu.py})"
     if (cd "/tmp/ab_src/$v" && PYTHONPATH="/tmp/ab_site/$v:/tmp/ab_src/$v/tests/python" timeout "${PYTEST_TIMEOUT:-300}" \
           python3 -m pytest -m gpu ${PYTEST_PATHS:-tests/python/test_gpu.py} -q -x --maxfail=3 -p no:cacheprovider 2>&1 | tail -15); then
@@ -80,8 +82,27 @@ for v in ${SANITIZE_VARIANTS:-}; do
     echo "$tool of $v rc=$?"
   done
 done
+# PROFILE_CASE=<bench case> [PROFILE_KERNEL=<regex>] [PROFILE_VARIANTS=<names>]: an Nsight Compute source-level profile (stall samples
+# per SASS instruction) of one kernel of that case per variant, summarised by ncu_source_summary.py; the
+# csv (gzipped) and the details page go under $OUT for reading off the device.
+if [ -n "${PROFILE_CASE:-}" ]; then
+  for v in ${PROFILE_VARIANTS:-$names}; do
+    rep="/tmp/ab_prof_$v"
+    (cd "/tmp/ab_src/$v" && PYTHONPATH="/tmp/ab_site/$v" timeout "${PROFILE_TIMEOUT:-150}" ncu --clock-control none \
+      -k regex:"${PROFILE_KERNEL:-state_recurrence}" -c 1 --section SpeedOfLight --section WarpStateStats \
+      --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters --import-source yes \
+      -f -o "$rep" python3 scripts/profile_case.py "$PROFILE_CASE" > "$rep.txt" 2>&1)
+    ncu -i "$rep.ncu-rep" --page details > "$OUT/prof_${v}_details.txt" 2>&1
+    ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$OUT/prof_${v}_sass.csv" 2>&1
+    echo "== profile of $v (case $PROFILE_CASE, ${PROFILE_KERNEL:-state_recurrence})"
+    grep -E "Duration|Issued Warp|No Eligible|Warp Cycles Per Issued|Memory Throughput" "$OUT/prof_${v}_details.txt"
+    python3 scripts/ncu_source_summary.py "$OUT/prof_${v}_sass.csv" --top 12 | head -40
+    gzip -f "$OUT/prof_${v}_sass.csv"
+  done
+fi
+# TIMED_VARIANTS (default: base and every variant) limits the timed rounds.
 for r in $(seq 1 "$ROUNDS"); do
-  for v in $names; do
+  for v in ${TIMED_VARIANTS:-$names}; do
     if [ "$BENCH" = prefill ]; then
       cmd=(bench/bench_prefill.py --no-fla --no-variants --iters "$ITERS" ${CASES:+--cases "$CASES"})
     else
