@@ -133,6 +133,30 @@ def from_chunks(o, cu):
 
 
 # -------------------------------------------------------------------------------------- emulation
+def pow2_shift(m: torch.Tensor, target: int) -> torch.Tensor:
+    """The kernel's pow2_shift: s with m 2^-s < 2^target (floor(log2 m) + 1 - target), in [-60, 60], 0 for m == 0."""
+    e = torch.floor(torch.log2(m.clamp_min(1e-300)))
+    return torch.where(m > 0, (e + 1 - target).clamp(-60, 60), torch.zeros_like(e))
+
+
+def x_fp16_shifted(X, v_c, S, k_c, bound: bool):
+    """XT as the walk's fp16 A operand: true fp16 (range and subnormals) under a power-of-two shift per
+    warp (16 state rows = v columns of X [.., C, V]) and chunk, chosen from XT's maximum (main) or from
+    the bound |v| + ||S_r||_1 2^shift_d that experiments/walk-xt-bound.patch forms before XT exists."""
+    Cn, V = X.shape[-2], X.shape[-1]
+    grp = lambda t: t.reshape(*t.shape[:-1], V // 16, 16)  # noqa: E731  [.., V] -> [.., V/16, 16]
+    if bound:
+        vmax = grp(v_c.double().abs()).amax(dim=(-3, -1))  # [N, H, V/16]
+        s1 = grp(S.abs().sum(-1)).amax(-1)  # [N, H, V/16]: max over the warp's rows of ||S_r||_1
+        kb = torch.exp2(pow2_shift(k_c.double().abs().amax(dim=(-2, -1)), 0))[..., None]  # [N, H, 1]
+        m = vmax + s1 * kb
+    else:
+        m = grp(X.abs()).amax(dim=(-3, -1))
+    sh = pow2_shift(m, 15)  # [N, H, V/16]
+    scale = torch.exp2(sh).repeat_interleave(16, dim=-1)[..., None, :]  # [N, H, 1, V]
+    return (X / scale).to(torch.float16).double() * scale
+
+
 def emulate(inp, cfg, ranges=None):
     cu = inp["cu"]
     lens = (cu[1:] - cu[:-1]).tolist()
@@ -235,7 +259,11 @@ def emulate(inp, cfg, ranges=None):
             Vn = A(Tb[:, c] @ v_in[:, c] - W[:, c] @ SopT)
         elif cfg["WUWALK"]:
             X = A(v_in[:, c] - kt_rec[:, c] @ SopT)
-            Vn = A(Tb[:, c] @ rnd(X, cfg["XOP"]))
+            if cfg["XOP"] in ("fp16m", "fp16b"):
+                Xop = x_fp16_shifted(X, v_in[:, c], S, k[:, c], cfg["XOP"] == "fp16b")
+            else:
+                Xop = rnd(X, cfg["XOP"])
+            Vn = A(Tb[:, c] @ Xop)
         else:
             Vn = A(U[:, c] - W[:, c] @ SopT)
         Vn_op = R(Vn, "VN")
@@ -348,6 +376,13 @@ def main():
     run([("K, W/U in walk: kt bf16, X fp16s (walk-wu, main)", dict(kern, WUWALK=True, KTOP="bf16", XOP="fp16s")),
          ("K, producer walk: kt bf16, W bf16, U fp32", dict(kern, PWALK=True, KTOP="bf16", WTOP="bf16")),
          ("K, producer walk: kt bf16, W fp32 (bound)", dict(kern, PWALK=True, KTOP="bf16", WTOP="fp32"))],
+        cases)
+
+    print("# --- (10) XT's fp16 operand with fp16's range: shift from XT's maximum (main) or from a bound")
+    print("#      formed before XT exists (experiments/walk-xt-bound.patch); fp16s has no range limits")
+    run([("K, W/U in walk: X fp16s (no range)", dict(kern, WUWALK=True, KTOP="bf16", XOP="fp16s")),
+         ("K, W/U in walk: X fp16, max shift (main)", dict(kern, WUWALK=True, KTOP="bf16", XOP="fp16m")),
+         ("K, W/U in walk: X fp16, bound shift", dict(kern, WUWALK=True, KTOP="bf16", XOP="fp16b"))],
         cases)
 
     if "--quick" not in sys.argv:
