@@ -81,7 +81,7 @@ KNOBS = ("QT", "KD", "MQK", "TINV", "W", "U", "S", "VN")
 def config(base: str = "bf16", op: str = "bf16", acc: str = "fp32", out: str = "bf16", **kw) -> dict:
     cfg = {k: base for k in KNOBS}
     cfg.update(FOFF=op, FDIAG=op, BK=op, BV=op, ACC=acc, OUT=out, FOLD=False, FSHARE=False, WUWALK=False,
-               KTOP="fp16", XOP="fp16", UWALK=False, PWALK=False, WTOP="bf16")
+               KTOP="fp16", XOP="fp16", UWALK=False, PWALK=False, WTOP="bf16", VNOP="")
     for k, v in kw.items():
         assert k in cfg, k
         cfg[k] = v
@@ -139,20 +139,26 @@ def pow2_shift(m: torch.Tensor, target: int) -> torch.Tensor:
     return torch.where(m > 0, (e + 1 - target).clamp(-60, 60), torch.zeros_like(e))
 
 
-def x_fp16_shifted(X, v_c, S, k_c, bound: bool):
-    """XT as the walk's fp16 A operand: true fp16 (range and subnormals) under a power-of-two shift per
-    warp (16 state rows = v columns of X [.., C, V]) and chunk, chosen from XT's maximum (main) or from
-    the bound |v| + ||S_r||_1 2^shift_d that experiments/walk-xt-bound.patch forms before XT exists."""
-    Cn, V = X.shape[-2], X.shape[-1]
-    grp = lambda t: t.reshape(*t.shape[:-1], V // 16, 16)  # noqa: E731  [.., V] -> [.., V/16, 16]
+def _warp_groups(t: torch.Tensor) -> torch.Tensor:
+    """[.., V] -> [.., V/16, 16]: a warp's 16 state rows are 16 v columns of XT / VnT [.., C, V]."""
+    return t.reshape(*t.shape[:-1], t.shape[-1] // 16, 16)
+
+
+def x_shift(X, v_c, S, k_c, bound: bool) -> torch.Tensor:
+    """XT's power-of-two shift per warp and chunk [N, H, V/16], target 2^15: from XT's maximum (main) or
+    from the bound |v| + ||S_r||_1 2^shift_d that experiments/walk-xt-bound.patch forms before XT exists."""
     if bound:
-        vmax = grp(v_c.double().abs()).amax(dim=(-3, -1))  # [N, H, V/16]
-        s1 = grp(S.abs().sum(-1)).amax(-1)  # [N, H, V/16]: max over the warp's rows of ||S_r||_1
+        vmax = _warp_groups(v_c.double().abs()).amax(dim=(-3, -1))  # [N, H, V/16]
+        s1 = _warp_groups(S.abs().sum(-1)).amax(-1)  # [N, H, V/16]: max over the warp's rows of ||S_r||_1
         kb = torch.exp2(pow2_shift(k_c.double().abs().amax(dim=(-2, -1)), 0))[..., None]  # [N, H, 1]
         m = vmax + s1 * kb
     else:
-        m = grp(X.abs()).amax(dim=(-3, -1))
-    sh = pow2_shift(m, 15)  # [N, H, V/16]
+        m = _warp_groups(X.abs()).amax(dim=(-3, -1))
+    return pow2_shift(m, 15)
+
+
+def fp16_shifted(X: torch.Tensor, sh: torch.Tensor) -> torch.Tensor:
+    """X [.., C, V] as true fp16 (range and subnormals) under the per-warp shift sh [.., V/16]."""
     scale = torch.exp2(sh).repeat_interleave(16, dim=-1)[..., None, :]  # [N, H, 1, V]
     return (X / scale).to(torch.float16).double() * scale
 
@@ -260,13 +266,24 @@ def emulate(inp, cfg, ranges=None):
         elif cfg["WUWALK"]:
             X = A(v_in[:, c] - kt_rec[:, c] @ SopT)
             if cfg["XOP"] in ("fp16m", "fp16b"):
-                Xop = x_fp16_shifted(X, v_in[:, c], S, k[:, c], cfg["XOP"] == "fp16b")
+                sh_x = x_shift(X, v_in[:, c], S, k[:, c], cfg["XOP"] == "fp16b")
+                Xop = fp16_shifted(X, sh_x)
             else:
                 Xop = rnd(X, cfg["XOP"])
             Vn = A(Tb[:, c] @ Xop)
+            if cfg["VNOP"] in ("fp16m", "fp16st"):
+                # VnT's fp16 operand under the kernel's shifts: XT's (sh_x), Tb's record shift (|Tb'| < 2)
+                # and shift_n, from VnT's maximum (main, target 2^14) or the static 8 of
+                # experiments/walk-vnt-static.patch (|VnT'| < 2^15 * 2 * 64 = 2^22)
+                sh_t = pow2_shift(Tb[:, c].abs().amax(dim=(-2, -1)), 1)[..., None]  # [N, H, 1]
+                if cfg["VNOP"] == "fp16st":
+                    sh_n = torch.full_like(sh_x, 8.0)
+                else:
+                    sh_n = pow2_shift(_warp_groups(Vn.abs()).amax(dim=(-3, -1)) * torch.exp2(-(sh_x + sh_t)), 14)
+                vn_fixed = fp16_shifted(Vn, sh_x + sh_t + sh_n)
         else:
             Vn = A(U[:, c] - W[:, c] @ SopT)
-        Vn_op = R(Vn, "VN")
+        Vn_op = vn_fixed if cfg["VNOP"] in ("fp16m", "fp16st") else R(Vn, "VN")
         O[:, c] = A(QT[:, c] @ SopT + MQK[:, c] @ Vn_op)
         S = A(S * gamma[:, c] + Vn_op.transpose(-1, -2) @ KD[:, c])
         smax = max(smax, float(S.abs().max()))
@@ -382,7 +399,12 @@ def main():
     print("#      formed before XT exists (experiments/walk-xt-bound.patch); fp16s has no range limits")
     run([("K, W/U in walk: X fp16s (no range)", dict(kern, WUWALK=True, KTOP="bf16", XOP="fp16s")),
          ("K, W/U in walk: X fp16, max shift (main)", dict(kern, WUWALK=True, KTOP="bf16", XOP="fp16m")),
-         ("K, W/U in walk: X fp16, bound shift", dict(kern, WUWALK=True, KTOP="bf16", XOP="fp16b"))],
+         ("K, W/U in walk: X fp16, bound shift", dict(kern, WUWALK=True, KTOP="bf16", XOP="fp16b")),
+         ("K, walk: X max shift, VnT max shift (main)",
+          dict(kern, WUWALK=True, KTOP="bf16", XOP="fp16m", VNOP="fp16m")),
+         ("K, walk: X bound shift, VnT max shift", dict(kern, WUWALK=True, KTOP="bf16", XOP="fp16b", VNOP="fp16m")),
+         ("K, walk: X bound shift, VnT static 8 (vnt-static)",
+          dict(kern, WUWALK=True, KTOP="bf16", XOP="fp16b", VNOP="fp16st"))],
         cases)
 
     if "--quick" not in sys.argv:
