@@ -256,6 +256,7 @@ def emulate(inp, cfg, ranges=None):
     O = torch.empty(*QT.shape[:-1], VDIM, dtype=torch.float64)
     smax = vnmax = 0.0
     for c in range(nC):
+        Vn_op = None  # set by a walk that models VnT's fp16 shift (VNOP), else R(Vn, "VN") below
         Sop = R(S, "S")
         SopT = Sop.transpose(-1, -2)  # [N, H, K, V]
         if cfg["PWALK"]:  # the producer warpgroup: W^T = kt^T Tb^T rounded to WTOP, U^T = v^T Tb^T fp32
@@ -271,7 +272,8 @@ def emulate(inp, cfg, ranges=None):
             else:
                 Xop = rnd(X, cfg["XOP"])
             Vn = A(Tb[:, c] @ Xop)
-            if cfg["VNOP"] in ("fp16m", "fp16st"):
+            if cfg["VNOP"]:
+                assert cfg["VNOP"] in ("fp16m", "fp16st") and cfg["XOP"] in ("fp16m", "fp16b"), "VNOP needs XT's shift"
                 # VnT's fp16 operand under the kernel's shifts: XT's (sh_x), Tb's record shift (|Tb'| < 2)
                 # and shift_n, from VnT's maximum (main, target 2^14) or the static 8 of
                 # experiments/walk-vnt-static.patch (|VnT'| < 2^15 * 2 * 64 = 2^22)
@@ -280,10 +282,11 @@ def emulate(inp, cfg, ranges=None):
                     sh_n = torch.full_like(sh_x, 8.0)
                 else:
                     sh_n = pow2_shift(_warp_groups(Vn.abs()).amax(dim=(-3, -1)) * torch.exp2(-(sh_x + sh_t)), 14)
-                vn_fixed = fp16_shifted(Vn, sh_x + sh_t + sh_n)
+                Vn_op = fp16_shifted(Vn, sh_x + sh_t + sh_n)
         else:
             Vn = A(U[:, c] - W[:, c] @ SopT)
-        Vn_op = vn_fixed if cfg["VNOP"] in ("fp16m", "fp16st") else R(Vn, "VN")
+        if Vn_op is None:
+            Vn_op = R(Vn, "VN")
         O[:, c] = A(QT[:, c] @ SopT + MQK[:, c] @ Vn_op)
         S = A(S * gamma[:, c] + Vn_op.transpose(-1, -2) @ KD[:, c])
         smax = max(smax, float(S.abs().max()))
