@@ -82,22 +82,15 @@ for v in ${SANITIZE_VARIANTS:-}; do
     echo "$tool of $v rc=$?"
   done
 done
-# PROFILE_CASE=<bench case> [PROFILE_KERNEL=<regex>] [PROFILE_VARIANTS=<names>]: an Nsight Compute source-level profile (stall samples
-# per SASS instruction) of one kernel of that case per variant, summarised by ncu_source_summary.py; the
-# csv (gzipped) and the details page go under $OUT for reading off the device.
+# PROFILE_CASE=<bench case> [PROFILE_KERNELS="<regex> ..."] [PROFILE_VARIANTS=<names>]: per variant,
+# scripts/profile_prefill_source.sh against that variant's build (Nsight Compute source-level stall
+# samples, summarised per instruction and phase), its log and reports under $OUT/prof_<variant>/.
 if [ -n "${PROFILE_CASE:-}" ]; then
   for v in ${PROFILE_VARIANTS:-$names}; do
-    rep="/tmp/ab_prof_$v"
-    (cd "/tmp/ab_src/$v" && PYTHONPATH="/tmp/ab_site/$v" timeout "${PROFILE_TIMEOUT:-150}" ncu --clock-control none \
-      -k regex:"${PROFILE_KERNEL:-state_recurrence}" -c 1 --section SpeedOfLight --section WarpStateStats \
-      --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters --import-source yes \
-      -f -o "$rep" python3 scripts/profile_case.py "$PROFILE_CASE" > "$rep.txt" 2>&1)
-    ncu -i "$rep.ncu-rep" --page details > "$OUT/prof_${v}_details.txt" 2>&1
-    ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$OUT/prof_${v}_sass.csv" 2>&1
-    echo "== profile of $v (case $PROFILE_CASE, ${PROFILE_KERNEL:-state_recurrence})"
-    grep -E "Duration|Issued Warp|No Eligible|Warp Cycles Per Issued|Memory Throughput" "$OUT/prof_${v}_details.txt"
-    python3 scripts/ncu_source_summary.py "$OUT/prof_${v}_sass.csv" --top 12 | head -40
-    gzip -f "$OUT/prof_${v}_sass.csv"
+    echo "== profile of $v (case $PROFILE_CASE)"
+    (cd "/tmp/ab_src/$v" && PYTHONPATH="/tmp/ab_site/$v" SKIP_BUILD=1 CASE="$PROFILE_CASE" \
+      KERNELS="${PROFILE_KERNELS:-state_recurrence}" OUT="$OUT/prof_$v" bash scripts/profile_prefill_source.sh > /dev/null 2>&1)
+    grep -v "^total" "$OUT/prof_$v/profile_prefill.log" | head -60
   done
 fi
 # TIMED_VARIANTS (default: base and every variant) limits the timed rounds.
