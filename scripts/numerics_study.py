@@ -401,10 +401,12 @@ def main():
     print("# --- (10) XT's fp16 operand with fp16's range: shift from XT's maximum (main) or from a bound")
     print("#      formed before XT exists (experiments/walk-xt-bound.patch); fp16s has no range limits")
     run([("K, W/U in walk: X fp16s (no range)", dict(kern, WUWALK=True, KTOP="bf16", XOP="fp16s")),
-         ("K, W/U in walk: X fp16, max shift (main)", dict(kern, WUWALK=True, KTOP="bf16", XOP="fp16m")),
+         ("K, W/U in walk: X fp16, max shift", dict(kern, WUWALK=True, KTOP="bf16", XOP="fp16m")),
          ("K, W/U in walk: X fp16, bound shift", dict(kern, WUWALK=True, KTOP="bf16", XOP="fp16b")),
-         ("K, walk: X max shift, VnT max shift (main)",
+         ("K, walk: X max shift, VnT max shift (main before walk-lean)",
           dict(kern, WUWALK=True, KTOP="bf16", XOP="fp16m", VNOP="fp16m")),
+         ("K, walk: X max shift, VnT static 8 (main, walk-lean)",
+          dict(kern, WUWALK=True, KTOP="bf16", XOP="fp16m", VNOP="fp16st")),
          ("K, walk: X bound shift, VnT max shift", dict(kern, WUWALK=True, KTOP="bf16", XOP="fp16b", VNOP="fp16m")),
          ("K, walk: X bound shift, VnT static 8 (vnt-static)",
           dict(kern, WUWALK=True, KTOP="bf16", XOP="fp16b", VNOP="fp16st"))],

@@ -314,6 +314,15 @@ __device__ inline void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
                : "r"(addr));
 }
 
+// Four 8 x 8 b16 matrices from mma-fragment registers (lane l: row l / 4, columns 2 (l % 4) and
+// 2 (l % 4) + 1 of each) to shared memory, transposed: fragment (row, col) lands in row col of the
+// stored matrix; lanes 8 m .. 8 m + 7 give the 8 row addresses of matrix m (16 bytes each).
+__device__ inline void stmatrix_x4_trans(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
 // A fragment (16x16) of a row-major bf16 matrix in smem at (row0, col0), leading dim ld (elements).
 __device__ inline void load_a_frag(uint32_t (&a)[4], const bf16* base, int ld, int row0, int col0, int lane) {
   const int r = row0 + (lane & 7) + ((lane >> 3) & 1) * 8;
