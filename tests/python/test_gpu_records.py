@@ -25,7 +25,11 @@ pytestmark = [pytest.mark.gpu,
 
 DEV = "cuda"
 # gamma: fp32, but 2^G_last of the kernel's fp32 gate and cumsum (~1e-6 relative a token) over 64 tokens.
-TOL = {"KT": 1e-2, "QT": 1e-2, "KD": 5e-3, "TB": 5e-3, "MQK": 5e-3, "gamma": 1e-3}
+# MQK: relative to its magnitude bound scale |q_i| |k_j| (record_oracle.compare_records).  A right tile
+# is off by ~4e-5 of it with fp16 / tf32 operands (single entries, scripts/records_soak.py) and by an
+# estimated ~2.5e-4 with bf16 off-diagonal factors (raw q, k: 2^-9 a factor over D terms); a wrong
+# one by ~|q . k| / (|q| |k|) ~ 0.1.
+TOL = {"KT": 1e-2, "QT": 1e-2, "KD": 5e-3, "TB": 5e-3, "MQK": 2e-3, "gamma": 1e-3}
 
 
 @pytest.fixture

@@ -102,3 +102,25 @@ def test_compare_records_reads_what_a_prepare_wrote(varlen):
     ws[at: at + 256] = 0x3c  # fp16 ~1.06 over a row of the tile
     worst = O.compare_records(ws, inp, 0.25)
     assert worst["KD"][0] > 0.1 and worst["KD"][1] == (1, c, 1), worst["KD"]
+
+
+def test_mqk_error_is_judged_against_its_magnitude_bound():
+    """A chunk of one token has a single MQK entry, scale q . k, which for nearly orthogonal q and k is
+    far below scale |q| |k|, the magnitude the kernel's rounding is relative to: an error of 4e-5
+    |q| |k| (what fp16 q / k and tf32 products give) is huge against the entry and small against the
+    bound, while a wrong entry is off by O(1) against either."""
+    D = 64
+    q = torch.zeros(1, D, dtype=torch.float64)
+    k = torch.zeros(1, D, dtype=torch.float64)
+    q[0, 0], k[0, 1], k[0, 0] = 1.0, 1.0, 1e-6
+    t = O.oracle_tiles(q, k, torch.zeros(1, D), torch.zeros(1, D), torch.ones(1), 0.5)
+    bound = float(t["MQK_bound"][0, 0])
+    assert abs(bound - 0.5 * float(q.norm() * k.norm())) < 1e-12
+    assert float(t["MQK_bound"][1:].abs().sum()) == 0.0  # inert rows
+    rounded = t["MQK"].clone()
+    rounded[0, 0] += 4e-5 * bound
+    assert O.rel_frobenius(rounded, t["MQK"]) > 1.0
+    assert O.rel_frobenius(rounded, t["MQK"], t["MQK_bound"]) < 1e-4
+    wrong = t["MQK"].clone()
+    wrong[0, 0] = bound
+    assert O.rel_frobenius(wrong, t["MQK"], t["MQK_bound"]) > 0.5
