@@ -26,6 +26,13 @@ def load(paths):
             d = json.load(f)
             for row in d.get("prefill", []) + d.get("decode", []):
                 runs[row["case"]][m.group(1)].append(row)
+                # bench_prefill times few-sequence cases once more without context parallelism: a
+                # whole 4-warp walk on a few SMs, latency-bound where the full-GPU walks run at the
+                # GPU's DRAM rate (an H100's, perf-notes v19), so it shows walk changes they hide.
+                if row.get("ours_no_cp_us"):
+                    runs[row["case"] + ", no CP"][m.group(1)].append(
+                        {"case": row["case"] + ", no CP", "ours_us": row["ours_no_cp_us"],
+                         "ours_kernels_us": row.get("ours_no_cp_kernels_us") or {}})
     return runs
 
 

@@ -48,3 +48,21 @@ def test_rejects_unnamed_files(tmp_path):
     p.write_text(json.dumps({"prefill": []}))
     with pytest.raises(SystemExit):
         ab_summary.load([str(p)])
+
+
+def test_rows_without_context_parallelism_get_their_own_case(tmp_path):
+    def write(variant, rnd, call_us, no_cp_us):
+        row = {"case": "1x16384, H16", "ours_us": call_us, "ours_kernels_us": {"walk": 1.0},
+               "ours_no_cp_us": no_cp_us, "ours_no_cp_kernels_us": {"void flashkda::sm90::state_recurrence": no_cp_us - 10}}
+        p = tmp_path / f"ab_{variant}_r{rnd}.json"
+        p.write_text(json.dumps({"prefill": [row]}))
+        return str(p)
+
+    paths = [write("base", 1, 550.0, 860.0), write("base", 2, 548.0, 864.0), write("lean", 1, 549.0, 830.0),
+             write("lean", 2, 547.0, 840.0)]
+    lines = ab_summary.summarise(ab_summary.load(paths)).splitlines()
+    no_cp = [l for l in lines if "1x16384, H16, no CP" in l]
+    assert len(no_cp) == 2
+    assert "| 2 | 862.0 | - |" in no_cp[0] and "state_recurrence 852.0" in no_cp[0]
+    assert "| 2 | 835.0 | -3.13% |" in no_cp[1]
+    assert any("| 1x16384, H16 | lean | 2 | 548.0 |" in l for l in lines)
