@@ -20,10 +20,10 @@ namespace flashkda {
 namespace sm90 {
 
 // Warps per state_recurrence block (each warp owns 16 state rows; a block handles 16 NW of the D
-// rows of one head): the widest block whose grid (N H D / (16 NW) blocks) still fits in one wave of
-// the GPU (4 or 8 warps: 1- and 2-warp blocks were measured slower, 781 vs 712 us of state
-// recurrence on 1x16384 H16, docs/perf-notes.md), and with many heads the record loads are shared by
-// 8 warps.
+// rows of one head): 4 while the grid of 4-warp blocks (N H D / 64) fits in one wave of the GPU, so
+// that few sequences x heads spread over more SMs, else 8 (D = 128), whose blocks share the record
+// loads of a head between its two V halves (1- and 2-warp blocks were measured slower, 781 vs 712 us
+// of state recurrence on 1x16384 H16, docs/perf-notes.md).
 inline int state_block_warps(int64_t N, int64_t H, int64_t D, int num_sms) {
   for (int nw = 4; nw < 8; nw *= 2) {
     if (16 * nw <= D && N * H * (D / (16 * nw)) <= num_sms) return nw;
