@@ -37,13 +37,22 @@ def gen():
     return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF)
 
 
-def check_records(gen, inp, scale):
+# The varlen case's sequence lengths (a one-token sequence included); scripts/records_soak.py soaks it.
+VARLEN_LENS = [100, 17, 64, 131, 1]
+
+
+def record_errors(inp, scale):
+    """Runs the prefill on `inp` and compares every record it left with the model (compare_records)."""
     out = torch.full(inp["v"].shape, float("nan"), dtype=BF16, device=DEV)
     ws = flashkda.new_workspace(inp["q"], inp["cu_seqlens"])
     flashkda.prefill(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], out, ws, scale=scale, **op_kwargs(inp))
     torch.cuda.synchronize()
     assert flashkda.read_device_error(ws) == 0
-    worst = O.compare_records(ws, inp, scale)
+    return O.compare_records(ws, inp, scale)
+
+
+def check_records(gen, inp, scale):
+    worst = record_errors(inp, scale)
     assert set(worst) == set(TOL), worst
     bad = {name: w for name, w in worst.items() if not w[0] <= TOL[name]}
     assert not bad, f"seed {gen.initial_seed()}: tiles off (rel err, (sequence, chunk, head)): {bad}; all: {worst}"
@@ -51,7 +60,7 @@ def check_records(gen, inp, scale):
 
 @pytest.mark.parametrize("D", [64, 128])
 def test_records_match_the_model_varlen(gen, D):
-    inp = make_inputs([100, 17, 64, 131, 1], H=4, D=D, device=DEV, generator=gen)
+    inp = make_inputs(VARLEN_LENS, H=4, D=D, device=DEV, generator=gen)
     check_records(gen, inp, D ** -0.5)
 
 
