@@ -353,6 +353,13 @@ __device__ inline void load_b_frag_kn(uint32_t (&b)[4], const bf16* x, int ld, i
   ldmatrix_x4_trans(b, smem_addr(x + kr * ld + nc));
 }
 
+// A 16-byte cp.async to a shared-memory address (cp_async<16> converts its pointer to one): the
+// generic-to-shared conversion of each copy's pointer re-reads the CTA's shared window (S2UR SR_CgaCtaId and
+// ~5 more instructions a copy in the SASS), which a run of copies from one base converts once.
+__device__ inline void cp_async_16_shared(uint32_t smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem) : "memory");
+}
+
 // cp.async of kBytes from global to shared memory (16: .cg, cached in L2 only; 8, 4: .ca).  The
 // memory clobbers keep the compiler from moving shared-memory accesses across the copy, the commit or
 // the wait.
@@ -360,7 +367,7 @@ template <int kBytes>
 __device__ inline void cp_async(void* smem, const void* gmem) {
   static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async copies 4, 8 or 16 bytes");
   if constexpr (kBytes == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(smem)), "l"(gmem) : "memory");
+    cp_async_16_shared(smem_addr(smem), gmem);
   } else {
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(smem_addr(smem)), "l"(gmem), "n"(kBytes)
                  : "memory");

@@ -61,10 +61,16 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[M][4]) {
 // issues D(64 x N, fp32) += scale_a A(64 x 16, type, registers) B(16 x N, type, shared memory) with
 // the enclosing template's kScaleA (+-1) and kTransB (1: N-major B).  N64 / N128 select the
 // accumulator operand list (32 or 64 fp32 registers a thread) and the A / descriptor operand indices.
+// FLASHKDA_WGMMA_RS_FIRST is the same with scale-d = 0 (D = scale_a A B) and write-only accumulators.
 #define FLASHKDA_WGMMA_D4(d, j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
 #define FLASHKDA_WGMMA_D_N64(d)                                                                       \
   FLASHKDA_WGMMA_D4(d, 0), FLASHKDA_WGMMA_D4(d, 1), FLASHKDA_WGMMA_D4(d, 2), FLASHKDA_WGMMA_D4(d, 3), \
       FLASHKDA_WGMMA_D4(d, 4), FLASHKDA_WGMMA_D4(d, 5), FLASHKDA_WGMMA_D4(d, 6), FLASHKDA_WGMMA_D4(d, 7)
+// Write-only accumulators (scale-d = 0: D = A B, the old D neither read nor needed).
+#define FLASHKDA_WGMMA_W4(d, j) "=f"(d[j][0]), "=f"(d[j][1]), "=f"(d[j][2]), "=f"(d[j][3])
+#define FLASHKDA_WGMMA_W_N64(d)                                                                       \
+  FLASHKDA_WGMMA_W4(d, 0), FLASHKDA_WGMMA_W4(d, 1), FLASHKDA_WGMMA_W4(d, 2), FLASHKDA_WGMMA_W4(d, 3), \
+      FLASHKDA_WGMMA_W4(d, 4), FLASHKDA_WGMMA_W4(d, 5), FLASHKDA_WGMMA_W4(d, 6), FLASHKDA_WGMMA_W4(d, 7)
 #define FLASHKDA_WGMMA_D_N128(d)                                                                       \
   FLASHKDA_WGMMA_D_N64(d), FLASHKDA_WGMMA_D4(d, 8), FLASHKDA_WGMMA_D4(d, 9), FLASHKDA_WGMMA_D4(d, 10), \
       FLASHKDA_WGMMA_D4(d, 11), FLASHKDA_WGMMA_D4(d, 12), FLASHKDA_WGMMA_D4(d, 13),                    \
@@ -72,10 +78,10 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[M][4]) {
 #define FLASHKDA_WGMMA_REGS_N64                                                                          \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
   "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-#define FLASHKDA_WGMMA_REGS_N128                                                                          \
-  FLASHKDA_WGMMA_REGS_N64                                                                                 \
-      ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, " \
-      "%51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define FLASHKDA_WGMMA_REGS_N128                                                                      \
+  FLASHKDA_WGMMA_REGS_N64                                                                             \
+  ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, " \
+  "%51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
 #define FLASHKDA_WGMMA_TAIL_N64 "{%32, %33, %34, %35}, %36, p, %37, 1, %38"
 #define FLASHKDA_WGMMA_TAIL_N128 "{%64, %65, %66, %67}, %68, p, %69, 1, %70"
 #define FLASHKDA_WGMMA_RS(SHAPE, TYPE, N, d, a, desc_b)                                        \
@@ -85,18 +91,33 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[M][4]) {
       "}, " FLASHKDA_WGMMA_TAIL_##N ";\n}\n"                                                   \
       : FLASHKDA_WGMMA_D_##N(d)                                                                \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(kScaleA), "n"(kTransB))
+#define FLASHKDA_WGMMA_RS_FIRST(SHAPE, TYPE, N, d, a, desc_b)                                  \
+  asm volatile(                                                                                \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"                                               \
+      "wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " {" FLASHKDA_WGMMA_REGS_##N \
+      "}, " FLASHKDA_WGMMA_TAIL_##N ";\n}\n"                                                   \
+      : FLASHKDA_WGMMA_W_##N(d)                                                                \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(kScaleA), "n"(kTransB))
 
 // D(64 x 64, fp32) += scale_a A(64 x 16, registers) B(16 x 64, shared memory); T = bf16 or fp16.
-template <typename T, int kScaleA, int kTransB>
+// kAccumulate = false: D = scale_a A B, the first product of an accumulation (scale-d = 0), so the
+// accumulators need no zeroing (which, as register moves the compiler may place inside a batch, made
+// ptxas inject a warpgroup.arrive: C7519).
+template <typename T, int kScaleA, int kTransB, bool kAccumulate = true>
 __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[8][4], const uint32_t (&a)[4],
                                                    uint64_t desc_b) {
   static_assert(std::is_same<T, __nv_bfloat16>::value || std::is_same<T, __half>::value,
                 "bf16 or fp16 inputs");
   static_assert(kScaleA == 1 || kScaleA == -1, "scale-a is +-1");
-  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+  constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
+  if constexpr (kAccumulate && kBf16) {
     FLASHKDA_WGMMA_RS("m64n64k16", "bf16", N64, d, a, desc_b);
-  } else {
+  } else if constexpr (kAccumulate) {
     FLASHKDA_WGMMA_RS("m64n64k16", "f16", N64, d, a, desc_b);
+  } else if constexpr (kBf16) {
+    FLASHKDA_WGMMA_RS_FIRST("m64n64k16", "bf16", N64, d, a, desc_b);
+  } else {
+    FLASHKDA_WGMMA_RS_FIRST("m64n64k16", "f16", N64, d, a, desc_b);
   }
 }
 
@@ -109,6 +130,9 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[16][4], const
 }
 
 #undef FLASHKDA_WGMMA_RS
+#undef FLASHKDA_WGMMA_RS_FIRST
+#undef FLASHKDA_WGMMA_W_N64
+#undef FLASHKDA_WGMMA_W4
 #undef FLASHKDA_WGMMA_TAIL_N128
 #undef FLASHKDA_WGMMA_TAIL_N64
 #undef FLASHKDA_WGMMA_REGS_N128
