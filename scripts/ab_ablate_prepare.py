@@ -20,11 +20,11 @@ KERNEL = "csrc/sm90/kda_chunk_prepare.cuh"
 # name -> (what it removes, [(exact text, replacement)])
 ABLATIONS = {
     "p2": ("phase 2: QT / KD / KT (their exponentials and record stores)",
-           [("""  if (qk16) {
-    qt_kd_passes(std::true_type{});
-  } else {
-    qt_kd_passes(std::false_type{});
-  }""", "  (void)qt_kd_passes;")]),
+           [("""    if (qk16) {
+      qt_kd_passes(std::true_type{});
+    } else {
+      qt_kd_passes(std::false_type{});
+    }""", "    (void)qt_kd_passes;")]),
     "p3": ("phase 3: the L / MQK blocks and the diagonal T_inv substitution",
            [("""    if (qk16) {
       blocks(std::true_type{});

@@ -8,8 +8,7 @@
 //      that hold a row), gate -> log decay (log2 units), beta; cumulative decay G by a two-level scan.
 //      q and k are kept as fp16 when l2-normalised (|x| <= 1: 8x finer than bf16) and as the raw bf16
 //      otherwise (exact).
-//   2. write QT = scale q 2^G, KT = k 2^G (bf16), KD = k 2^(G_last - G) (fp16, shifted), gamma =
-//      2^G_last to the chunk record.  Every exponent here is <= 0.
+//   2. gamma = 2^G_last and the fp16 shifts to the chunk record (QT, KT and KD: 4b).
 //   3. L = strict_lower(diag(b) kt kb^T) and MQK = lower_incl(qt kb^T) on tensor cores, per 16x16
 //      block (I, J).  Off-diagonal blocks use the reference row 16I-1 (the row before block I):
 //      A = k_i 2^(G_i - G_ref), B = k_j 2^(G_ref - G_j), both <= 1 for any gate.  Diagonal blocks use
@@ -21,16 +20,19 @@
 //      off-diagonal ones.  MQK is fp16 with a power-of-two shift from the bound scale |q_i| |k_j|,
 //      written to its staged record image and stored by one TMA bulk copy right after phase 3
 //      (the 4-byte fragment stores it replaced cost 2-3% of a call).
-//   4. T_inv = (I + L)^-1 replaces q, k: 16x16 diagonal blocks by fp32 forward
-//      substitution (in phase 3, by the warp that computed L_II, kept in registers until q and k are
-//      dead), then the off-diagonal blocks T_IJ = -T_II sum_M L_IM T_MJ on tf32 mma, one warp per
-//      column J walking I = J+1 .. 3 (a column needs only its own blocks: no block barrier between).
+//   4. T_inv = (I + L)^-1 in a buffer of its own: 16x16 diagonal blocks by fp32 forward substitution
+//      (in phase 3, by the warp that computed L_II), then the off-diagonal blocks
+//      T_IJ = -T_II sum_M L_IM T_MJ on tf32 mma, one warp per column J walking I = J+1 .. 3 (a column
+//      needs only its own blocks: no block barrier between).
+//   4b. beside those walks (a dependent chain on warps 0-2), warps 3-7 write QT = scale q 2^G,
+//      KT = k 2^G (bf16), KD = k 2^(G_last - G) (fp16, shifted) to the chunk record.  Every exponent
+//      here is <= 0.
 //   5. Tb = T_inv diag(b) 2^-shift_t (fp16, |Tb'| < 2) goes to the record (its SW128 image staged over
 //      G, one TMA bulk store).  The walk forms VnT = (v^T - S KT^T) Tb^T itself, so neither v nor W
 //      nor U is handled here.  fp16's 11-bit mantissa on T_inv is what keeps the state error well
 //      under bf16's.
-// Shared memory (D = 128): q, k 16-bit 2 x 17.4 KB (later T_inv), G fp32 34.8 KB (later the staged
-// Tb), L fp32 16.6 KB, staged MQK 8 KB: about 95 KB, two blocks per SM.
+// Shared memory (D = 128): q, k 16-bit 2 x 17.4 KB, G fp32 34.8 KB (later the staged Tb), L fp32
+// 17.4 KB, T_inv fp32 17.4 KB, staged MQK 8 KB: 112.3 KB, two blocks per SM (113 KB allowed).
 #pragma once
 
 #include <cuda_fp16.h>
@@ -63,15 +65,14 @@ struct PrepareSmem {
   // int-encoded maxima: (unused), |k|, |T_inv b|, |q_row|^2, |k_row|^2
   static constexpr int kMax = kTot + 4 * D * 4;
   static constexpr int kEnd = kMax + 32;
-  // Phase 4+ aliases (q, k and G are dead by then).  T_inv goes over q and k when they are large
-  // enough (D = 128), else after everything (D = 64, where shared memory is plentiful).
-  static constexpr int kTinvBytes = kChunk * kLdT * 4 + 3 * 16 * 17 * 4;
-  static constexpr bool kTinvOverQK = kTinvBytes <= kG - kQ;
-  static constexpr int kTi = kTinvOverQK ? kQ : kEnd;  // fp32 T_inv [C][kLdT]
-  static constexpr int kX = kTi + kChunk * kLdT * 4;   // column-walk scratch 3 x 16 x 17 fp32
+  // T_inv in a region of its own, not over q and k: QT / KT / KD (phase 4b) read q, k and G while
+  // warps 0-2 walk T_inv's columns.  The walks' scratch (16 x 16 a warp) lives in T_inv's upper
+  // block (J, 3), which nothing else reads (Tb takes the lower blocks only).
+  static constexpr int kTinvBytes = kChunk * kLdT * 4;
+  static constexpr int kTi = kEnd;  // fp32 T_inv [C][kLdT]
   // MQK [C][C] fp16 staged as its record image in a buffer of its own (nothing is dead in phase 3),
   // stored by one TMA bulk copy right after phase 3.
-  static constexpr int kMqkSt = ((kTinvOverQK ? kEnd : kEnd + kTinvBytes) + 15) / 16 * 16;
+  static constexpr int kMqkSt = (kEnd + kTinvBytes + 15) / 16 * 16;
   static constexpr int kBytes = kMqkSt + kChunk * kChunk * 2;
   // The Tb [C][C] record tile is staged as its SW128 image (sw128_element, kda_sw128.h) over G (dead
   // after phase 3) for one TMA bulk store.
@@ -410,8 +411,8 @@ __device__ inline void lk_block_pairwise(const uint16_t* sQ, const uint16_t* sK,
 
 // Diagonal block I of T_inv = (I + L)^-1 by forward substitution, one column per lane (lanes 0-15),
 // into registers: run by the warp that wrote L_II, right after it (L_II is warp-private until the
-// block barrier), so the substitution overlaps the off-diagonal L blocks of the other warps.  T_inv
-// lives over q and k, which phase 3 still reads: the caller stores tcol after the barrier.
+// block barrier), so the substitution overlaps the off-diagonal L blocks of the other warps.  The
+// caller stores tcol into T_inv's own buffer right away.
 template <int D>
 __device__ inline void tinv_diag_block(const float* sL, float (&tcol)[16], int I, int cc) {
   constexpr int ldt = PrepareSmem<D>::kLdT;
@@ -437,7 +438,8 @@ __device__ inline void tinv_diag_block(const float* sL, float (&tcol)[16], int I
 // Off-diagonal block (I, J) = (J + d, J) of T_inv: X = sum_{M=J}^{I-1} L_IM T_MJ, then T_IJ = -T_II X, both
 // on tf32 tensor cores with fp32 accumulation.  tf32 keeps fp16's 10-bit mantissa, the precision T_inv
 // diag(b) is stored with (Tb, fp16) anyway; the fp32 range keeps any L finite.  X goes through
-// the warp's scratch `xs` to turn from accumulator into operand layout.  One warp walks a column J (I = J+1
+// the warp's scratch `xs` (pitch kLdT: T_inv's upper block (J, 3)) to turn from accumulator into operand
+// layout.  One warp walks a column J (I = J+1
 // .. 3): each T_MJ it reads is the diagonal (stored before the barrier) or one it wrote itself, so the chain
 // needs no block barrier between its steps.
 template <int D, int d>
@@ -459,10 +461,10 @@ __device__ inline void tinv_block(const float* sL, float* sTi, float* xs, int J,
   }
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt) {
-    xs[g * 17 + 8 * nt + 2 * t] = x[nt][0];
-    xs[g * 17 + 8 * nt + 2 * t + 1] = x[nt][1];
-    xs[(g + 8) * 17 + 8 * nt + 2 * t] = x[nt][2];
-    xs[(g + 8) * 17 + 8 * nt + 2 * t + 1] = x[nt][3];
+    xs[g * ldt + 8 * nt + 2 * t] = x[nt][0];
+    xs[g * ldt + 8 * nt + 2 * t + 1] = x[nt][1];
+    xs[(g + 8) * ldt + 8 * nt + 2 * t] = x[nt][2];
+    xs[(g + 8) * ldt + 8 * nt + 2 * t + 1] = x[nt][3];
   }
   __syncwarp();
   float y[2][4] = {};
@@ -473,8 +475,8 @@ __device__ inline void tinv_block(const float* sL, float* sTi, float* xs, int J,
                             tf32_operand(tr[8 * ldt + 4])};
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
-      const float* xc = xs + (8 * s + t) * 17 + 8 * nt + g;
-      mma_tf32(y[nt], af, tf32_operand(xc[0]), tf32_operand(xc[4 * 17]));
+      const float* xc = xs + (8 * s + t) * ldt + 8 * nt + g;
+      mma_tf32(y[nt], af, tf32_operand(xc[0]), tf32_operand(xc[4 * ldt]));
     }
   }
 #pragma unroll
@@ -529,7 +531,6 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   float* sB = reinterpret_cast<float*>(smem + SM::kB);
   float* sTot = reinterpret_cast<float*>(smem + SM::kTot);
   float* sTi = reinterpret_cast<float*>(smem + SM::kTi);
-  float* sX = reinterpret_cast<float*>(smem + SM::kX);
   constexpr int ldf = SM::kLdF, ldh = SM::kLdH, ldt = SM::kLdT;
   constexpr int TPR = D / 8;                  // threads per row in the row-parallel phases
   constexpr int RPP = kPrepareThreads / TPR;  // rows per pass
@@ -759,7 +760,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   }
   __syncthreads();
 
-  // ---- 2. QT, KD, gamma ------------------------------------------------------------------------------
+  // ---- 2. gamma, the fp16 shifts, MQK's zero blocks (QT, KT, KD: phase 4b) ---------------------------
   bf16* rKT = reinterpret_cast<bf16*>(rec + ChunkRecord<D>::kKT);
   bf16* rQT = reinterpret_cast<bf16*>(rec + ChunkRecord<D>::kQT);
   bf16* rKD = reinterpret_cast<bf16*>(rec + ChunkRecord<D>::kKD);
@@ -786,39 +787,6 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
               (gm - sG[(16 * I + 15) * ldf + tid] > kMaxHalfSpanLog2);
     }
   }
-  // KT = k 2^G (bf16: the walk's B operand of S KT^T) shares QT's exponential.
-  float gl[8];  // G of the chunk's last row, the same for every pass
-  load8_f32(sG + (kChunk - 1) * ldf + c8, gl);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) gl[i] -= static_cast<float>(shift_d);  // 2^-shift_d of KD, in the exponent
-  // q / k dtype as a template argument: one conversion path in the loop, not both predicated.
-  auto qt_kd_passes = [&](auto f16) {
-    constexpr bool kF16 = decltype(f16)::value;
-#pragma unroll
-    for (int pass = 0; pass < PASSES; ++pass) {
-      const int r = rbase + pass * RPP;
-      float xq[8], xk[8], xd[8], xg[8];
-      load8_qk(sQ + r * ldh + c8, kF16, xq);
-      load8_qk(sK + r * ldh + c8, kF16, xk);
-      load8_f32(sG + r * ldf + c8, xg);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float gg = xg[i];
-        const float e = fast_exp2(gg);
-        xq[i] = scale * xq[i] * e;
-        xd[i] = xk[i] * fast_exp2(gl[i] - gg);  // gl carries KD's shift
-        xk[i] *= e;
-      }
-      store8_bf16(record_element(rQT, r, c8), xq);
-      *reinterpret_cast<uint4*>(record_element(rKD, r, c8)) = pack8_f16(xd);
-      store8_bf16(record_element(rKT, r, c8), xk);
-    }
-  };
-  if (qk16) {
-    qt_kd_passes(std::true_type{});
-  } else {
-    qt_kd_passes(std::false_type{});
-  }
   // Upper blocks of MQK are zero (the state pass multiplies the whole 64x64 tile).
   for (int e = tid; e < kChunk * kChunk / 8; e += kPrepareThreads) {
     const int i = e / (kChunk / 8), j = (e % (kChunk / 8)) * 8;
@@ -828,7 +796,6 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   const bool pairwise_diag = __syncthreads_or(over) != 0;
 
   // ---- 3. L and MQK blocks, and the diagonal blocks of T_inv ----------------------------------------
-  float tcol[16];  // warps 0-3, lanes 0-15: column `lane` of T_inv's diagonal block `warp`
   {
     // Warps 0-3: diagonal block I = warp (tf32).  Warps 4-7: the six off-diagonal blocks, those of one
     // row block sharing their A fragments: (3,0)+(3,1) | (2,0)+(2,1) | (3,2) | (1,0).  With the A's
@@ -842,7 +809,12 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
           lk_block_pairwise<D>(sQ, sK, kF16, sG, sB, sL, sMQK, mqk_scale, warp, lane);
         }
         __syncwarp();
-        if (lane < 16) tinv_diag_block<D>(sL, tcol, warp, lane);
+        if (lane < 16) {
+          float tcol[16];  // column `lane` of T_inv's diagonal block `warp`
+          tinv_diag_block<D>(sL, tcol, warp, lane);
+#pragma unroll
+          for (int i = 0; i < 16; ++i) sTi[(16 * warp + i) * ldt + 16 * warp + lane] = tcol[i];
+        }
       } else {
         const int q = warp - 4;  // (I, J0, two): (3,0,1) (2,0,1) (3,2,0) (1,0,0)
         const int I = q == 0 ? 3 : (q == 1 ? 2 : (q == 2 ? 3 : 1));
@@ -862,18 +834,53 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     bulk_store_commit();
   }
 
-  // ---- 4. T_inv = (I + L)^-1 over q and k ---------------------------------------------------------
-  if (warp < 4 && lane < 16) {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) sTi[(16 * warp + i) * ldt + 16 * warp + lane] = tcol[i];
-  }
-  __syncthreads();
+  // ---- 4. T_inv's off-diagonal blocks (warps 0-2) beside QT, KT, KD (warps 3-7) ---------------------
+  // The column walks are a dependent chain on three warps; the record's QT / KT / KD need only q, k and
+  // G, which T_inv no longer overwrites, so the other five warps form them meanwhile instead of waiting
+  // at the barrier (before, they ran as phase 2 on all warps and the walks left five warps idle).
   if (warp < 3) {  // column J = warp: T_{J+1,J}, T_{J+2,J}, ... (3, 2 and 1 blocks)
     // Block distance d as a template argument: the k-steps unrolled, all fragment loads in flight.
-    float* xs = sX + warp * 16 * 17;
+    float* xs = sTi + 16 * warp * ldt + 48;  // upper block (J, 3)
     tinv_block<D, 1>(sL, sTi, xs, warp, lane);
     if (warp < 2) tinv_block<D, 2>(sL, sTi, xs, warp, lane);
     if (warp < 1) tinv_block<D, 3>(sL, sTi, xs, warp, lane);
+  } else {
+    // Threads 96-255: each keeps its 8 columns and takes every (160 / TPR)-th row.
+    constexpr int kQtThreads = kPrepareThreads - 96, kQtRowStep = kQtThreads / TPR;
+    static_assert(kQtThreads % TPR == 0, "a thread's columns stay the same from row to row");
+    const int qu = tid - 96, qc8 = (qu % TPR) * 8;
+    // KT = k 2^G (bf16: the walk's B operand of S KT^T) shares QT's exponential.
+    float gl[8];  // G of the chunk's last row
+    load8_f32(sG + (kChunk - 1) * ldf + qc8, gl);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) gl[i] -= static_cast<float>(shift_d);  // 2^-shift_d of KD, in the exponent
+    // q / k dtype as a template argument: one conversion path in the loop, not both predicated.
+    auto qt_kd_passes = [&](auto f16) {
+      constexpr bool kF16 = decltype(f16)::value;
+#pragma unroll 2
+      for (int r = qu / TPR; r < kChunk; r += kQtRowStep) {
+        float xq[8], xk[8], xd[8], xg[8];
+        load8_qk(sQ + r * ldh + qc8, kF16, xq);
+        load8_qk(sK + r * ldh + qc8, kF16, xk);
+        load8_f32(sG + r * ldf + qc8, xg);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const float gg = xg[i];
+          const float e = fast_exp2(gg);
+          xq[i] = scale * xq[i] * e;
+          xd[i] = xk[i] * fast_exp2(gl[i] - gg);  // gl carries KD's shift
+          xk[i] *= e;
+        }
+        store8_bf16(record_element(rQT, r, qc8), xq);
+        *reinterpret_cast<uint4*>(record_element(rKD, r, qc8)) = pack8_f16(xd);
+        store8_bf16(record_element(rKT, r, qc8), xk);
+      }
+    };
+    if (qk16) {
+      qt_kd_passes(std::true_type{});
+    } else {
+      qt_kd_passes(std::false_type{});
+    }
   }
   __syncthreads();
   // Tb = T_inv diag(b) 2^-shift_t in fp16; upper blocks of T_inv were never written and are zero in Tb.
@@ -904,7 +911,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   }
   __syncthreads();
   const int shift_t = pow2_shift(__int_as_float(sMax[2]), 1);  // |Tb 2^-shift_t| < 2
-  // Tb's record image (the walk's B operand of VnT = XT Tb^T), over G (phase 3 was its last reader).
+  // Tb's record image (the walk's B operand of VnT = XT Tb^T), over G (phase 4b was its last reader).
   bf16* sTbSt = reinterpret_cast<bf16*>(smem + SM::kTbSt);
   {
     const float st = pow2i(-shift_t);
