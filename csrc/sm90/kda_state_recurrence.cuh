@@ -105,29 +105,27 @@ __device__ inline int chunk_rows(const SeqSpan& sp, int c) {
   return left < kChunk ? static_cast<int>(left) : kChunk;
 }
 
-// Bytes of the record copies of one chunk (issue_record_copies, issue_record_copies_spread): the
-// stage's mbarrier expects exactly these, so both take them from here.
-template <int D, int NW, bool kMap>
-__host__ __device__ constexpr uint32_t record_copy_bytes() {
-  using SM = RecurrenceSmem<D, NW, kMap>;
-  return 2 * SM::kTile + (kMap ? 0 : SM::kTile + kChunk * kChunk * 2) + kChunk * kChunk * 2 + SM::kGammaCopy;
-}
-
-// The same copies spread over the block's warps (lane 0 of each), for the chunk loop: copy j (KT, QT,
-// KD, MQK, Tb, gamma) goes to warp (j + 1) % NW and warp 0 registers the bytes, so no warp issues more
-// than two.  By one thread they were ~80 instructions on warp 0's path each chunk, and the
-// warpgroup's next wgmma waits for its slowest warp.  The mbarrier's phase cannot complete before
-// warp 0's arrive (its only expected arrival), so copies that complete first leave the transaction
-// count negative for a while, which the mbarrier allows.  Needs the barrier's initialisation visible
-// to every warp (the chunk loop's barriers), so the walk's first copies stay with thread 0.
-template <int D, int NW, bool kMap>
-__device__ inline void issue_record_copies_spread(const char* rec, unsigned char* stage, uint64_t* full,
-                                                  int warp) {
+// Issues the record copies of chunk c into a stage, completing on the stage's mbarrier `full`: the
+// parts of its record this block needs, as TMA bulk copies (the record's tiles are already the stage's
+// SW128 images).  kMap: no QT or MQK (A-row blocks of the map pass still need Tb).  Copy j (KT, QT, KD,
+// MQK, Tb, gamma) is issued by the calling thread when mine(j); the one thread with `expects` registers
+// the bytes (the stage's only expected arrival).
+//   - the walk's first copies: thread 0 issues all six (mine always true, expects);
+//   - in the chunk loop they are spread over the warps' lane 0: copy j to warp (j + 1) % NW, warp 0
+//     expects, so no warp issues more than two.  By one thread they were ~80 instructions on warp 0's
+//     path each chunk, and the warpgroup's next wgmma waits for its slowest warp.  The phase cannot
+//     complete before warp 0's arrive, so copies that complete first leave the transaction count
+//     negative for a while, which the mbarrier allows.  Needs the barrier's initialisation visible to
+//     every warp (the chunk loop's barriers), hence thread 0 alone for the first copies.
+template <int D, int NW, bool kMap, class Mine>
+__device__ inline void issue_record_copies(const char* rec, unsigned char* stage, uint64_t* full,
+                                           bool expects, Mine mine) {
   using SM = RecurrenceSmem<D, NW, kMap>;
   using R = ChunkRecord<D>;
-  const uint32_t bytes = record_copy_bytes<D, NW, kMap>();
-  auto mine = [warp](int j) { return (j + 1) % NW == warp; };
-  if (warp == 0) mbar_arrive_expect_tx(full, bytes);
+  static_assert(R::kShifts == R::kGamma + D * 4, "gamma and the shifts are one run");
+  constexpr uint32_t bytes =
+      2 * SM::kTile + (kMap ? 0 : SM::kTile + kChunk * kChunk * 2) + kChunk * kChunk * 2 + SM::kGammaCopy;
+  if (expects) mbar_arrive_expect_tx(full, bytes);
   if (mine(0)) bulk_load(stage + SM::kKT, rec + R::kKT, SM::kTile, full);
   if constexpr (!kMap) {
     if (mine(1)) bulk_load(stage + SM::kQT, rec + R::kQT, SM::kTile, full);
@@ -138,24 +136,6 @@ __device__ inline void issue_record_copies_spread(const char* rec, unsigned char
   }
   if (mine(4)) bulk_load(stage + SM::kTb, rec + R::kTb, kChunk * kChunk * 2, full);
   if (mine(5)) bulk_load(stage + SM::kGamma, rec + R::kGamma, SM::kGammaCopy, full);
-}
-
-// Issues the record copies of chunk c into a stage, completing on the stage's mbarrier `full`: the
-// parts of its record this block needs, as TMA bulk copies by one thread (the record's tiles are
-// already the stage's SW128 images).  kMap: no QT or MQK (A-row blocks of the map pass still need Tb).
-template <int D, int NW, bool kMap>
-__device__ inline void issue_record_copies(const char* rec, unsigned char* stage, uint64_t* full) {
-  using SM = RecurrenceSmem<D, NW, kMap>;
-  using R = ChunkRecord<D>;
-  static_assert(R::kShifts == R::kGamma + D * 4, "gamma and the shifts are one run");
-  const uint32_t bytes = record_copy_bytes<D, NW, kMap>();
-  mbar_arrive_expect_tx(full, bytes);
-  bulk_load(stage + SM::kKT, rec + R::kKT, SM::kTile, full);
-  if constexpr (!kMap) bulk_load(stage + SM::kQT, rec + R::kQT, SM::kTile, full);
-  bulk_load(stage + SM::kKD, rec + R::kKD, SM::kTile, full);
-  if constexpr (!kMap) bulk_load(stage + SM::kMQK, rec + R::kMQK, kChunk * kChunk * 2, full);
-  bulk_load(stage + SM::kTb, rec + R::kTb, kChunk * kChunk * 2, full);
-  bulk_load(stage + SM::kGamma, rec + R::kGamma, SM::kGammaCopy, full);
 }
 
 // The chunk's v rows of the block's slice into a stage, when they are 16-byte aligned: 16-byte
@@ -321,7 +301,8 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
     fence_mbarrier_init();
   }
   if (tid == 0 && c_begin < c_end)
-    issue_record_copies<D, NW, kMap>(rec_base + c_begin * rec_stride, smem, &full[0]);
+    issue_record_copies<D, NW, kMap>(rec_base + c_begin * rec_stride, smem, &full[0], true,
+                                     [](int) { return true; });
   if (!a_rows && c_begin < c_end) {
     copy_v_rows_async<D, NW, kMap>(a, sp, h, c_begin, smem, v0, tid);
     fill_v_rows<D, NW, kMap>(a, sp, h, c_begin, smem, v0, tid);
@@ -493,8 +474,8 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
     __syncthreads();
     unsigned char* next_stage = smem + ((k + 1) & 1) * SM::kStage;
     if (lane == 0 && c + 1 < c_end) {
-      issue_record_copies_spread<D, NW, kMap>(rec_base + (c + 1) * rec_stride, next_stage, &full[(k + 1) & 1],
-                                              warp);
+      issue_record_copies<D, NW, kMap>(rec_base + (c + 1) * rec_stride, next_stage, &full[(k + 1) & 1],
+                                       warp == 0, [warp](int j) { return (j + 1) % NW == warp; });
     }
     if (!a_rows && c + 1 < c_end) copy_v_rows_async<D, NW, kMap>(a, sp, h, c + 1, next_stage, v0, tid);
     if (h0_bf16_pending) {  // first chunk only (uniform)
@@ -642,8 +623,6 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
         wgmma_m64n64k16_rs<__nv_bfloat16, 1, 0>(o, sa[ks], sw128_desc(st + SM::kQT + koff, 16, 1024));
       }
       wgmma_commit();
-    }
-    if constexpr (!kMap) {
       wgmma_wait<1>();  // VnT's group
     } else {
       wgmma_wait<0>();

@@ -84,20 +84,19 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[M][4]) {
   "%51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
 #define FLASHKDA_WGMMA_TAIL_N64 "{%32, %33, %34, %35}, %36, p, %37, 1, %38"
 #define FLASHKDA_WGMMA_TAIL_N128 "{%64, %65, %66, %67}, %68, p, %69, 1, %70"
-#define FLASHKDA_WGMMA_RS(SHAPE, TYPE, N, d, a, desc_b)                                        \
-  asm volatile(                                                                                \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                               \
-      "wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " {" FLASHKDA_WGMMA_REGS_##N \
-      "}, " FLASHKDA_WGMMA_TAIL_##N ";\n}\n"                                                   \
-      : FLASHKDA_WGMMA_D_##N(d)                                                                \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(kScaleA), "n"(kTransB))
-#define FLASHKDA_WGMMA_RS_FIRST(SHAPE, TYPE, N, d, a, desc_b)                                  \
-  asm volatile(                                                                                \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"                                               \
-      "wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " {" FLASHKDA_WGMMA_REGS_##N \
-      "}, " FLASHKDA_WGMMA_TAIL_##N ";\n}\n"                                                   \
-      : FLASHKDA_WGMMA_W_##N(d)                                                                \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(kScaleA), "n"(kTransB))
+// SCALE_D: 1 accumulates (read-write accumulators, FLASHKDA_WGMMA_D_), 0 overwrites (write-only,
+// FLASHKDA_WGMMA_W_).
+#define FLASHKDA_WGMMA_RS_SCALED(SCALE_D, OUTS, SHAPE, TYPE, N, d, a, desc_b)                           \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " #SCALE_D                                             \
+               ", 0;\n"                                                                                 \
+               "wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " {" FLASHKDA_WGMMA_REGS_##N \
+               "}, " FLASHKDA_WGMMA_TAIL_##N ";\n}\n"                                                   \
+               : OUTS##N(d)                                                                             \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(kScaleA), "n"(kTransB))
+#define FLASHKDA_WGMMA_RS(SHAPE, TYPE, N, d, a, desc_b) \
+  FLASHKDA_WGMMA_RS_SCALED(1, FLASHKDA_WGMMA_D_, SHAPE, TYPE, N, d, a, desc_b)
+#define FLASHKDA_WGMMA_RS_FIRST(SHAPE, TYPE, N, d, a, desc_b) \
+  FLASHKDA_WGMMA_RS_SCALED(0, FLASHKDA_WGMMA_W_, SHAPE, TYPE, N, d, a, desc_b)
 
 // D(64 x 64, fp32) += scale_a A(64 x 16, registers) B(16 x 64, shared memory); T = bf16 or fp16.
 // kAccumulate = false: D = scale_a A B, the first product of an accumulation (scale-d = 0), so the
