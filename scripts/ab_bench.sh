@@ -97,7 +97,9 @@ fi
 for r in $(seq 1 "$ROUNDS"); do
   for v in ${TIMED_VARIANTS:-$names}; do
     if [ "$BENCH" = prefill ]; then
-      cmd=(bench/bench_prefill.py --no-fla --no-variants --iters "$ITERS" ${CASES:+--cases "$CASES"})
+      # PREFILL_VARIANTS=1 also times the serving variants (pool addressing, bf16 state, checkpoints)
+      cmd=(bench/bench_prefill.py --no-fla --iters "$ITERS" ${CASES:+--cases "$CASES"})
+      [ "${PREFILL_VARIANTS:-0}" = 1 ] || cmd+=(--no-variants)
     else
       cmd=(bench/bench_decode.py --no-fla --no-cold --iters "$ITERS" ${CASES:+--cases "$CASES"})
     fi
@@ -107,7 +109,7 @@ for r in $(seq 1 "$ROUNDS"); do
         > /tmp/ab_run.log 2>&1; then
       echo "run $v round $r failed:"; tail -20 /tmp/ab_run.log
     fi
-    grep -E "ours" /tmp/ab_run.log | grep -v "per kernel" | sed "s/^/[$v r$r] /"
+    grep -E "ours|fp32 state" /tmp/ab_run.log | grep -v "per kernel" | sed "s/^/[$v r$r] /"
   done
 done
 if ls "$OUT"/ab_*_r*.json > /dev/null 2>&1; then

@@ -33,6 +33,13 @@ def load(paths):
                     runs[row["case"] + ", no CP"][m.group(1)].append(
                         {"case": row["case"] + ", no CP", "ours_us": row["ours_no_cp_us"],
                          "ours_kernels_us": row.get("ours_no_cp_kernels_us") or {}})
+            # bench_prefill's serving variants (ab_bench.sh PREFILL_VARIANTS=1): one row per variant
+            # of the same call (pool addressing, bf16 state, checkpoints), no per-kernel times.
+            for row in d.get("prefill_variants", []):
+                for key, t in row.items():
+                    if key.endswith("_us") and t:
+                        name = f"{row['case']}, {key[:-3]}"
+                        runs[name][m.group(1)].append({"case": name, "ours_us": t, "ours_kernels_us": {}})
     return runs
 
 

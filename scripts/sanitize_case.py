@@ -78,6 +78,31 @@ for pool_dtype in (torch.float32, torch.bfloat16):
     torch.cuda.synchronize()
     print("decode", pool_dtype, "device error", flashkda.read_device_error(dws))
 
+# Many plain requests in the fixed layout (the plain stream kernels, TMA ring and registers, beyond one
+# wave): a padded request and one whose slot is past the pool (reported, nothing written).
+for pool_dtype in (torch.float32, torch.bfloat16):
+    Np = 600
+    ppool = (0.1 * torch.randn(2 * Np, H, D, D, device="cuda")).to(pool_dtype)
+    pq, pk, pv, pg = (torch.randn(Np, 1, H, D, device="cuda").bfloat16() for _ in range(4))
+    pb = torch.randn(Np, 1, H, device="cuda").bfloat16()
+    pout = torch.full((Np, 1, H, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+    pslots = torch.randperm(2 * Np, device="cuda")[:Np].to(torch.int32)
+    pslots[7] = -1
+    for kernel in ("auto", "stream"):
+        os.environ["FLASHKDA_DECODE_KERNEL"] = kernel
+        torch.ops.flashkda.decode(pq, pk, pv, pg, pb, pout, ppool, pslots, A_log=A_log, dt_bias=dt_bias,
+                                  workspace=dws)
+        torch.cuda.synchronize()
+        print("plain stream", kernel, pool_dtype, "device error", flashkda.read_device_error(dws))
+        bad = pslots.clone()
+        bad[11] = 2 * Np
+        torch.ops.flashkda.decode(pq, pk, pv, pg, pb, pout, ppool, bad, A_log=A_log, dt_bias=dt_bias,
+                                  workspace=dws)
+        torch.cuda.synchronize()
+        print("plain stream", kernel, pool_dtype, "slot past the pool: device error",
+              flashkda.read_device_error(dws), "(expected 2)")
+    os.environ.pop("FLASHKDA_DECODE_KERNEL")
+
 # Context-parallel prefill (segment maps, segment_scan, segment walks), forced with segments of 1 chunk
 # over the same sequences, in place on a pool with a padded sequence, D = 128 and D = 64.
 os.environ["FLASHKDA_PREFILL_SEGMENT_CHUNKS"] = "1"
