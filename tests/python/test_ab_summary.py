@@ -66,3 +66,22 @@ def test_rows_without_context_parallelism_get_their_own_case(tmp_path):
     assert "| 2 | 862.0 | - |" in no_cp[0] and "state_recurrence 852.0" in no_cp[0]
     assert "| 2 | 835.0 | -3.13% |" in no_cp[1]
     assert any("| 1x16384, H16 | lean | 2 | 548.0 |" in l for l in lines)
+
+
+def test_serving_variants_get_one_case_each(tmp_path):
+    """bench_prefill's prefill_variants rows (ab_bench.sh PREFILL_VARIANTS=1): one case per variant column,
+    medians over rounds and the change against base, like the main rows."""
+    def write(variant, rnd, pool_us, bf16_us):
+        d = {"prefill": [], "prefill_variants": [{"case": "8x2048, H16", "pool_us": pool_us, "bf16_state_us": bf16_us,
+                                                  "checkpoints_us": None}]}
+        p = tmp_path / f"ab_{variant}_r{rnd}.json"
+        p.write_text(json.dumps(d))
+        return str(p)
+
+    paths = [write("base", 1, 100.0, 90.0), write("base", 2, 102.0, 92.0), write("late", 1, 98.0, 91.0),
+             write("late", 2, 96.0, 93.0)]
+    lines = ab_summary.summarise(ab_summary.load(paths)).splitlines()
+    pool_late = next(l for l in lines if l.startswith("| 8x2048, H16, pool | late |"))
+    assert "| 2 | 97.0 | -3.96% |" in pool_late
+    assert any(l.startswith("| 8x2048, H16, bf16_state | base | 2 | 91.0 |") for l in lines)
+    assert not any("checkpoints" in l for l in lines)  # a variant the run did not time has no row
