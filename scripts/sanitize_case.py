@@ -78,8 +78,9 @@ for pool_dtype in (torch.float32, torch.bfloat16):
     torch.cuda.synchronize()
     print("decode", pool_dtype, "device error", flashkda.read_device_error(dws))
 
-# Many plain requests in the fixed layout (the plain stream kernels, TMA ring and registers, beyond one
-# wave): a padded request and one whose slot is past the pool (reported, nothing written).
+# Many plain requests in the fixed layout (beyond one wave: the plain stream kernel, chosen by default
+# and forced; an A/B of another plain kernel behind the same switch gets checked too): a padded request
+# and one whose slot is past the pool (reported, nothing written).
 for pool_dtype in (torch.float32, torch.bfloat16):
     Np = 600
     ppool = (0.1 * torch.randn(2 * Np, H, D, D, device="cuda")).to(pool_dtype)
