@@ -3,8 +3,9 @@
 # alternating rounds so that the machine's drift falls on every setting alike:
 #   KERNELS="auto stream" CASES=4,6,8,10 ROUNDS=3 TESTS=1 SANITIZE=1 bash scripts/ab_decode_kernels.sh
 # ("auto" unsets the switch.)  TESTS=1 first runs the decode and serving GPU tests, SANITIZE=1 memcheck and
-# racecheck of scripts/sanitize_case.py.  Output: $OUT/ab_decode.log, $OUT/dec_<kernel>_r<round>.json and
-# $OUT/ab_decode_summary.md (median over rounds per case and kernel, and each against the first).
+# racecheck of scripts/sanitize_case.py.  Output: $OUT/ab_decode.log, $OUT/ab_<kernel>_r<round>.json and
+# $OUT/ab_decode_summary.md (scripts/ab_summary.py: median over rounds per case and kernel, each against
+# the first, with % of copy bandwidth).
 set -uo pipefail
 OUT=${OUT:-/tmp/flashkda_out}
 mkdir -p "$OUT"
@@ -31,35 +32,15 @@ fi
 for r in $(seq 1 "$ROUNDS"); do
   for k in $KERNELS; do
     if [ "$k" = auto ]; then unset FLASHKDA_DECODE_KERNEL; else export FLASHKDA_DECODE_KERNEL=$k; fi
-    python3 bench/bench_decode.py --no-fla --no-cold --cases "$CASES" --json "$OUT/dec_${k}_r$r.json" \
-      > "$OUT/dec_${k}_r$r.log" 2>&1 || { echo "bench $k r$r failed"; tail -20 "$OUT/dec_${k}_r$r.log"; }
+    python3 bench/bench_decode.py --no-fla --no-cold --cases "$CASES" --json "$OUT/ab_${k}_r$r.json" \
+      > "$OUT/ab_${k}_r$r.log" 2>&1 || { echo "bench $k r$r failed"; tail -20 "$OUT/ab_${k}_r$r.log"; }
   done
 done
 unset FLASHKDA_DECODE_KERNEL
-python3 - "$OUT" "$ROUNDS" $KERNELS <<'PY'
-import json, statistics, sys
-out, rounds, kernels = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-res = {}
-for k in kernels:
-    for r in range(1, rounds + 1):
-        try:
-            js = json.load(open(f"{out}/dec_{k}_r{r}.json"))
-        except OSError:
-            continue
-        for c in js["decode"]:
-            res.setdefault(c["case"], {}).setdefault(k, []).append((c["ours_us"], c.get("pct_copy_bw")))
-lines = ["| case | kernel | rounds | us (median) | % copy BW | vs " + kernels[0] + " |", "|---|---|---|---|---|---|"]
-for case, per in res.items():
-    base = statistics.median(t for t, _ in per[kernels[0]]) if kernels[0] in per else None
-    for k in kernels:
-        if k not in per:
-            continue
-        t = statistics.median(x for x, _ in per[k])
-        bw = [p for _, p in per[k] if p is not None]
-        pct = f"{statistics.median(bw):.1f}" if bw else "-"
-        rel = f"{100 * (t / base - 1):+.2f}%" if base and k != kernels[0] else "-"
-        lines.append(f"| {case} | {k} | {len(per[k])} | {t:.1f} | {pct} | {rel} |")
-open(f"{out}/ab_decode_summary.md", "w").write("\n".join(lines) + "\n")
-print("\n".join(lines))
-PY
+jsons=()
+for r in $(seq 1 "$ROUNDS"); do for k in $KERNELS; do
+  [ -f "$OUT/ab_${k}_r$r.json" ] && jsons+=("$OUT/ab_${k}_r$r.json")
+done; done
+# Medians over rounds, each kernel against the first of KERNELS (scripts/ab_summary.py, as ab_bench.sh)
+[ ${#jsons[@]} -gt 0 ] && python3 scripts/ab_summary.py --base "${KERNELS%% *}" "${jsons[@]}" | tee "$OUT/ab_decode_summary.md"
 echo "total: $(( $(date +%s) - t0 )) s"

@@ -43,11 +43,12 @@ def load(paths):
     return runs
 
 
-def summarise(runs):
+def summarise(runs, base_name="base"):
+    """The table; `base_name` is the variant the others are compared with (listed first)."""
     lines = ["| case | variant | rounds | call (us) | vs base | per kernel (us) |", "|---|---|---|---|---|---|"]
     for case, by_var in runs.items():
-        base = statistics.median(r["ours_us"] for r in by_var["base"]) if "base" in by_var else None
-        for var in sorted(by_var, key=lambda v: (v != "base", v)):
+        base = statistics.median(r["ours_us"] for r in by_var[base_name]) if base_name in by_var else None
+        for var in sorted(by_var, key=lambda v: (v != base_name, v)):
             rows = by_var[var]
             call = statistics.median(r["ours_us"] for r in rows)
             kernels = collections.defaultdict(list)
@@ -56,7 +57,11 @@ def summarise(runs):
                     kernels[k].append(t)
             per_kernel = ", ".join(f"{k.replace('void flashkda::sm90::', '').strip()} {statistics.median(v):.1f}"
                                    for k, v in kernels.items())
-            delta = f"{100.0 * (call / base - 1.0):+.2f}%" if base and var != "base" else "-"
+            bw = [r["pct_copy_bw"] for r in rows if r.get("pct_copy_bw") is not None]  # bench_decode's rows
+            if bw:
+                share = f"{statistics.median(bw):.1f}% of copy BW"
+                per_kernel = f"{per_kernel}; {share}" if per_kernel else share
+            delta = f"{100.0 * (call / base - 1.0):+.2f}%" if base and var != base_name else "-"
             lines.append(f"| {case} | {var} | {len(rows)} | {call:.1f} | {delta} | {per_kernel} |")
     return "\n".join(lines)
 
@@ -64,8 +69,9 @@ def summarise(runs):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("json", nargs="+")
+    ap.add_argument("--base", default="base", help="the variant the others are compared with")
     args = ap.parse_args(argv)
-    print(summarise(load(args.json)))
+    print(summarise(load(args.json), args.base))
     return 0
 
 

@@ -85,3 +85,19 @@ def test_serving_variants_get_one_case_each(tmp_path):
     assert "| 2 | 97.0 | -3.96% |" in pool_late
     assert any(l.startswith("| 8x2048, H16, bf16_state | base | 2 | 91.0 |") for l in lines)
     assert not any("checkpoints" in l for l in lines)  # a variant the run did not time has no row
+
+
+def test_named_base_and_copy_bandwidth_of_decode_rows(tmp_path):
+    """ab_decode_kernels.sh compares kernels by name (--base: the first of its KERNELS) and its decode
+    rows carry % of copy bandwidth, reported beside the per-kernel times."""
+    def write(variant, rnd, us, pct):
+        row = {"case": "plain N=64 fp32", "ours_us": us, "ours_kernels_us": {"k": us}, "pct_copy_bw": pct}
+        p = tmp_path / f"ab_{variant}_r{rnd}.json"
+        p.write_text(json.dumps({"decode": [row]}))
+        return str(p)
+
+    paths = [write("stream", 1, 37.0, 88.0), write("stream", 2, 37.4, 87.0), write("auto", 1, 39.0, 83.0),
+             write("auto", 2, 39.4, 82.0)]
+    lines = ab_summary.summarise(ab_summary.load(paths), "stream").splitlines()
+    assert lines[2].startswith("| plain N=64 fp32 | stream | 2 | 37.2 | - |") and "87.5% of copy BW" in lines[2]
+    assert lines[3].startswith("| plain N=64 fp32 | auto | 2 | 39.2 | +5.38% |") and "82.5% of copy BW" in lines[3]
