@@ -883,7 +883,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     }
   }
   __syncthreads();
-  // Tb = T_inv diag(b) 2^-shift_t in fp16; upper blocks of T_inv were never written and are zero in Tb.
+  // Tb = T_inv diag(b) 2^-shift_t in fp16 from the lower blocks only: the upper ones hold the column
+  // walks' scratch (block (J, 3)) or were never written, and are zero in Tb.
   // Each warp holds rows warp + 8k (column pair 2 lane) in registers from the max to the store.
   constexpr int kTbPairs = kChunk * kChunk / 2 / kPrepareThreads;
   static_assert(kChunk / 2 == 32, "one column pair per lane");
