@@ -113,7 +113,8 @@ for r in $(seq 1 "$ROUNDS"); do
   done
 done
 if ls "$OUT"/ab_*_r*.json > /dev/null 2>&1; then
-  python3 scripts/ab_summary.py "$OUT"/ab_*_r*.json | tee "$OUT/ab_summary.md"
+  # SUMMARY_RATIO=<pattern> (e.g. chunk_prepare) adds ab_summary.py's --ratio table of those kernels.
+  python3 scripts/ab_summary.py ${SUMMARY_RATIO:+--ratio "$SUMMARY_RATIO"} "$OUT"/ab_*_r*.json | tee "$OUT/ab_summary.md"
 else
   echo "no timed runs (no GPU, or ROUNDS=0)"
 fi

@@ -2,6 +2,12 @@
 and of each kernel's time, and each variant against "base" (negative = faster than base).
 
     python3 scripts/ab_summary.py out/ab_*_r*.json
+    python3 scripts/ab_summary.py --ratio chunk_prepare out/ab_*_r*.json
+
+--ratio PATTERN adds a second table: per case and variant, the median over rounds of the summed time
+of the kernels whose name matches PATTERN (a regular expression), and its ratio to base's.  Kernels
+renamed by a variant still compare (chunk_prepare_kernel against chunk_prepare_persistent_kernel): the
+ratio is the "x" of docs/design.md's "The fused kernel, measured first".
 """
 
 from __future__ import annotations
@@ -66,12 +72,41 @@ def summarise(runs, base_name="base"):
     return "\n".join(lines)
 
 
+def kernel_ratio(runs, pattern, base_name="base"):
+    """Per case and variant: the median summed time of the kernels matching `pattern`, and its ratio to
+    base's (variants or rounds without such a kernel are left out)."""
+    rx = re.compile(pattern)
+    lines = [f"| case | variant | rounds | {pattern} (us) | ratio to base |", "|---|---|---|---|---|"]
+    for case, by_var in runs.items():
+        med = {}
+        for var, rows in by_var.items():
+            sums = []
+            for r in rows:
+                ks = r.get("ours_kernels_graph_us") or r.get("ours_kernels_us") or {}
+                hit = [t for k, t in ks.items() if rx.search(k)]
+                if hit:
+                    sums.append(sum(hit))
+            if sums:
+                med[var] = (statistics.median(sums), len(sums))
+        for var in sorted(med, key=lambda v: (v != base_name, v)):
+            t, n = med[var]
+            ratio = f"{t / med[base_name][0]:.3f}" if base_name in med and var != base_name else "-"
+            lines.append(f"| {case} | {var} | {n} | {t:.1f} | {ratio} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("json", nargs="+")
     ap.add_argument("--base", default="base", help="the variant the others are compared with")
+    ap.add_argument("--ratio", metavar="PATTERN", help="also the summed time of the kernels matching PATTERN, "
+                    "against base's")
     args = ap.parse_args(argv)
-    print(summarise(load(args.json), args.base))
+    runs = load(args.json)
+    print(summarise(runs, args.base))
+    if args.ratio:
+        print()
+        print(kernel_ratio(runs, args.ratio, args.base))
     return 0
 
 

@@ -101,3 +101,36 @@ def test_named_base_and_copy_bandwidth_of_decode_rows(tmp_path):
     lines = ab_summary.summarise(ab_summary.load(paths), "stream").splitlines()
     assert lines[2].startswith("| plain N=64 fp32 | stream | 2 | 37.2 | - |") and "87.5% of copy BW" in lines[2]
     assert lines[3].startswith("| plain N=64 fp32 | auto | 2 | 39.2 | +5.38% |") and "82.5% of copy BW" in lines[3]
+
+
+def test_kernel_ratio_compares_renamed_kernels(tmp_path):
+    """--ratio chunk_prepare: a variant whose prepare kernel has another name (the persistent one) is
+    still compared with base's chunk_prepare_kernel, by the medians of the matching kernels' sums."""
+    def write(variant, rnd, kernels):
+        p = tmp_path / f"ab_{variant}_r{rnd}.json"
+        p.write_text(json.dumps({"prefill": [{"case": "8x2048, H16", "ours_us": 300.0,
+                                              "ours_kernels_us": kernels}]}))
+        return str(p)
+
+    paths = [write("base", 1, {"void flashkda::sm90::chunk_prepare_kernel<128>": 200.0,
+                               "void flashkda::sm90::state_recurrence_kernel": 100.0}),
+             write("base", 2, {"void flashkda::sm90::chunk_prepare_kernel<128>": 210.0}),
+             write("persistent", 1, {"void flashkda::sm90::chunk_prepare_persistent_kernel<128>": 231.0}),
+             write("persistent", 2, {"void flashkda::sm90::chunk_prepare_persistent_kernel<128>": 241.5}),
+             write("walk_only", 1, {"void flashkda::sm90::state_recurrence_kernel": 90.0})]
+    table = ab_summary.kernel_ratio(ab_summary.load(paths), "chunk_prepare")
+    lines = table.splitlines()
+    assert "| 8x2048, H16 | base | 2 | 205.0 | - |" in lines
+    assert "| 8x2048, H16 | persistent | 2 | 236.2 | 1.152 |" in lines
+    assert not any("walk_only" in l for l in lines)  # no matching kernel: left out
+    assert lines.index("| 8x2048, H16 | base | 2 | 205.0 | - |") < lines.index(
+        "| 8x2048, H16 | persistent | 2 | 236.2 | 1.152 |")
+
+
+def test_main_prints_the_ratio_table(tmp_path, capsys):
+    p = tmp_path / "ab_base_r1.json"
+    p.write_text(json.dumps({"prefill": [{"case": "c", "ours_us": 10.0,
+                                          "ours_kernels_us": {"chunk_prepare_kernel": 6.0}}]}))
+    assert ab_summary.main(["--ratio", "chunk_prepare", str(p)]) == 0
+    out = capsys.readouterr().out
+    assert "| c | base | 1 | 10.0 | - |" in out and "| c | base | 1 | 6.0 | - |" in out
