@@ -34,6 +34,22 @@ ROUNDS=${ROUNDS:-3}
 ITERS=${ITERS:-30}
 names="base $VARIANTS"
 echo "$BENCH variants: $names; cases ${CASES:-all}; $ROUNDS rounds of $ITERS graph replays"
+# PLAN=1: print the call's expected duration and exit, to keep a device call under its 600 s limit
+# (one call of 2026-12-05 ran out and took the session's remaining device time).  Fitted to the logs of
+# docs/runs/2026-12-05e (qt-six-warps: 132 s, pool-row-late: 149 s): ~17 s of build a variant, ~20 s of
+# GPU tests, ~15 s a sanitizer tool, and a timed process ~5 s + ~3 s a case (ITERS=30); cases "all"
+# counted as 10.
+if [ "${PLAN:-0}" = 1 ]; then
+  nv=$(echo $names | wc -w)
+  ncase=$( [ -n "$CASES" ] && echo "$CASES" | tr ',' '\n' | grep -c . || echo 10)
+  ntest=0
+  if [ "${TESTS:-0}" = 1 ]; then ntest=$(( nv - 1 )); [ -n "${TEST_VARIANTS:-}" ] && ntest=$(echo $TEST_VARIANTS | wc -w); fi
+  nsan=$(echo ${SANITIZE_VARIANTS:-} | wc -w)
+  est=$(( 17 * nv + 20 * ntest + 30 * nsan + ROUNDS * nv * (5 + 3 * ncase * ITERS / 30) ))
+  echo "plan: $nv builds, $ntest test runs, $nsan x 2 sanitizer runs, $ROUNDS x $nv x $ncase timed runs: ~${est} s"
+  if [ "$est" -gt 480 ]; then echo "plan: over 480 s: split the variants over two calls"; fi
+  exit 0
+fi
 t0=$(date +%s)
 for v in $names; do
   if [ "$v" != base ] && [ ! -d "ab/$v" ] && [ ! -f "experiments/$v.patch" ]; then
