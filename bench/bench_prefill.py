@@ -2,7 +2,8 @@
 
 Times one call's GPU work: ours with CUDA events around CUDA-graph replays (median of --iters),
 fla with the profiler's sum of kernel times per call (its varlen wrapper syncs the host, so it
-cannot be graph-captured).  Config: D = 128, bounded gate at lower_bound -5, l2norm + gate + beta
+cannot be graph-captured).  Config: D = 128 (--head-dim 64: the second supported head dim, no spec
+targets), bounded gate at lower_bound -5, l2norm + gate + beta
 sigmoid in kernel, fp32 initial and final state (V-first), varlen layout (cu_seqlens int32).
 Also prints numerics (out / final_state rel err against the float64 reference) for ours and fla.
 
@@ -242,7 +243,11 @@ def main():
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--cases", default=None, help="comma-separated indices into CASES")
     ap.add_argument("--no-variants", action="store_true", help="skip the bf16-state / pool / checkpoint rows")
+    ap.add_argument("--head-dim", type=int, choices=(64, 128), default=128,
+                    help="K = V (the spec's table and targets are D = 128; 64 is the second supported case)")
     args = ap.parse_args()
+    global D
+    D = args.head_dim
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to benchmark")
         return 0
@@ -262,7 +267,7 @@ def main():
                                  capture_output=True, text=True).stdout.strip(),
         "cuda": torch.version.cuda, "torch": torch.__version__, "python": platform.python_version(),
         "commit": git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "copy_bandwidth_TBps": bw / 1e12, "fla": None,
+        "copy_bandwidth_TBps": bw / 1e12, "fla": None, "head_dim": D,
     }
     if have_fla:
         import fla
@@ -336,7 +341,8 @@ def write_md(result, path):
         f"fla {m['fla']}, commit {m['commit']}, {m['date']}. Copy bandwidth measured in the same run: "
         f"{m['copy_bandwidth_TBps']:.2f} TB/s (read + write).",
         "",
-        "Prefill, D = 128, bounded gate (lower_bound -5), l2norm + gate + beta sigmoid in kernel, fp32 state, "
+        f"Prefill, D = {m.get('head_dim', 128)}, bounded gate (lower_bound -5), l2norm + gate + beta sigmoid in "
+        "kernel, fp32 state, "
         "varlen layout. Ours: median GPU time of CUDA-graph replays. fla: profiler kernel-time sum per call.",
         "",
         "| case | ours (us) | fla (us) | speed-up | memory floor (us) | ours / floor |",
