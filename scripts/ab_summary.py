@@ -49,6 +49,11 @@ def load(paths):
     return runs
 
 
+def kernel_times(row):
+    """A row's per-kernel times: those of the graph replays where the JSON has them (eager before)."""
+    return row.get("ours_kernels_graph_us") or row.get("ours_kernels_us") or {}
+
+
 def summarise(runs, base_name="base"):
     """The table; `base_name` is the variant the others are compared with (listed first)."""
     lines = ["| case | variant | rounds | call (us) | vs base | per kernel (us) |", "|---|---|---|---|---|---|"]
@@ -58,8 +63,8 @@ def summarise(runs, base_name="base"):
             rows = by_var[var]
             call = statistics.median(r["ours_us"] for r in rows)
             kernels = collections.defaultdict(list)
-            for r in rows:  # per-kernel times of the graph replays where the JSON has them (eager before)
-                for k, t in (r.get("ours_kernels_graph_us") or r["ours_kernels_us"]).items():
+            for r in rows:
+                for k, t in kernel_times(r).items():
                     kernels[k].append(t)
             per_kernel = ", ".join(f"{k.replace('void flashkda::sm90::', '').strip()} {statistics.median(v):.1f}"
                                    for k, v in kernels.items())
@@ -82,8 +87,7 @@ def kernel_ratio(runs, pattern, base_name="base"):
         for var, rows in by_var.items():
             sums = []
             for r in rows:
-                ks = r.get("ours_kernels_graph_us") or r.get("ours_kernels_us") or {}
-                hit = [t for k, t in ks.items() if rx.search(k)]
+                hit = [t for k, t in kernel_times(r).items() if rx.search(k)]
                 if hit:
                     sums.append(sum(hit))
             if sums:

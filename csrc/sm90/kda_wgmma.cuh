@@ -130,6 +130,7 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[16][4], const
 
 #undef FLASHKDA_WGMMA_RS
 #undef FLASHKDA_WGMMA_RS_FIRST
+#undef FLASHKDA_WGMMA_RS_SCALED
 #undef FLASHKDA_WGMMA_W_N64
 #undef FLASHKDA_WGMMA_W4
 #undef FLASHKDA_WGMMA_TAIL_N128
