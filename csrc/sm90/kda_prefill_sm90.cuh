@@ -57,8 +57,8 @@ Status launch_context_parallel(const PrefillArgs& a, int num_sms, cudaStream_t s
   if (!st.ok()) return st;
   cudaError_t e = set_smem_limit_once<segment_scan_kernel<D>>(ScanSmem<D>::kBytes);
   if (e != cudaSuccess) return cuda_status(e, "segment_scan smem attribute");
-  segment_scan_kernel<D><<<dim3(static_cast<unsigned>(a.N), static_cast<unsigned>(a.H), D / 16), D,
-                           ScanSmem<D>::kBytes, stream>>>(a);
+  segment_scan_kernel<D><<<dim3(static_cast<unsigned>(a.N), static_cast<unsigned>(a.H), D / 16),
+                           scan_threads<D>(), ScanSmem<D>::kBytes, stream>>>(a);
   st = cuda_status(cudaGetLastError(), "segment_scan launch");
   if (!st.ok()) return st;
   return launch_recurrence<D, 4, RecurrenceMode::kSegmentApply>(a, num_sms, stream);

@@ -9,9 +9,12 @@
 // The start state of segment 0 is a copy of h0: with an in-place pool (h0 == ht) the last segment
 // may write ht before segment 0's block starts.
 //
-// Grid: (N, H, D / 16).  Block: D / 32 warps owning 16 state rows; warp w computes columns
-// [32 w, 32 w + 32) of S A with tf32 mma (m16n8k8), each operand split in a high and a low tf32 part
+// Grid: (N, H, D / 16).  Block: D / 8 warps owning 16 state rows; warp w computes columns
+// [8 w, 8 w + 8) of S A with tf32 mma (m16n8k8), each operand split in a high and a low tf32 part
 // (three products: fp32-like accuracy, the combination adds no error beyond the segment walks).
+// The grid is one block per SM at most (N H D / 16 blocks: 128 for 1x16384 H16), so each step is a
+// dependent chain per warp: 16 warps of 8 columns (was 4 of 32) cut the chain of a step by 4x
+// (3 steps took 21.6 us on the H200, 1x16384 H16; measured 21.8 -> 16.7 us on an H100, perf-notes v23).
 // Shared memory: S's 16 rows (16 x (D + 4) fp32) and two stages of A (D x (D + 8) fp32, 68 KB each
 // at D = 128): A_{s+1} streams in with cp.async while step s runs, so a step costs one mma pass
 // instead of a chain of L2 round trips (the first version, loading A's fragments straight from
@@ -22,6 +25,11 @@
 
 namespace flashkda {
 namespace sm90 {
+
+template <int D>
+constexpr int scan_threads() {
+  return 32 * (D / 8);  // one warp per 8 columns
+}
 
 template <int D>
 struct ScanSmem {
@@ -37,18 +45,18 @@ struct ScanSmem {
 template <int D>
 __device__ inline void load_map_a_async(const float* A, float* sA, int tid) {
   constexpr int kVec = D / 4;  // 16-byte pieces per row
-  for (int e = tid; e < D * kVec; e += D) {
+  for (int e = tid; e < D * kVec; e += scan_threads<D>()) {
     const int r = e / kVec, c4 = (e % kVec) * 4;
     cp_async_16(sA + r * ScanSmem<D>::kLdA + c4, A + static_cast<int64_t>(r) * D + c4);
   }
 }
 
 template <int D>
-__global__ void __launch_bounds__(D) segment_scan_kernel(const PrefillArgs a) {
+__global__ void __launch_bounds__(scan_threads<D>()) segment_scan_kernel(const PrefillArgs a) {
   static_assert(D == 64 || D == 128, "head dim");
   using SM = ScanSmem<D>;
   constexpr int kLd = SM::kLdS, kLdA = SM::kLdA;
-  constexpr int kThreads = D;
+  constexpr int kThreads = scan_threads<D>();
   extern __shared__ __align__(128) unsigned char smem[];
   float* sS = reinterpret_cast<float*>(smem + SM::kS);
 
@@ -80,12 +88,13 @@ __global__ void __launch_bounds__(D) segment_scan_kernel(const PrefillArgs a) {
     start0[idx] = x;
   }
 
-  const int col0 = 32 * warp;
+  const int col0 = 8 * warp;
   for (int s = 0; s + 1 < nseg; ++s) {
     const float* L = segment_block<D>(a, n, sp, s, h, kSegMapL);
-    float acc[4][4];
+    constexpr int NJ = 1;  // n-tiles of 8 columns a warp
+    float acc[NJ][4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < NJ; ++j) {
       const int col = col0 + 8 * j + 2 * t;
       const float2 l0 = *reinterpret_cast<const float2*>(L + static_cast<int64_t>(row0 + g) * D + col);
       const float2 l1 = *reinterpret_cast<const float2*>(L + static_cast<int64_t>(row0 + g + 8) * D + col);
@@ -112,7 +121,7 @@ __global__ void __launch_bounds__(D) segment_scan_kernel(const PrefillArgs a) {
         alo[i] = to_tf32(x[i] - __uint_as_float(ahi[i]));
       }
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
+      for (int j = 0; j < NJ; ++j) {
         const int col = col0 + 8 * j + g;
         const float b0 = sA[(8 * kk + t) * kLdA + col];
         const float b1 = sA[(8 * kk + t + 4) * kLdA + col];
@@ -126,7 +135,7 @@ __global__ void __launch_bounds__(D) segment_scan_kernel(const PrefillArgs a) {
     __syncthreads();  // every warp has read S_s and A_s
     float* next = segment_block<D>(a, n, sp, s + 1, h, kSegStart);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < NJ; ++j) {
       const int col = col0 + 8 * j + 2 * t;
       *reinterpret_cast<float2*>(&sS[g * kLd + col]) = make_float2(acc[j][0], acc[j][1]);
       *reinterpret_cast<float2*>(&sS[(g + 8) * kLd + col]) = make_float2(acc[j][2], acc[j][3]);
