@@ -19,8 +19,8 @@
 # (FLASHKDA_COMMIT goes into each JSON's meta.commit, "+ab/<variant>" for the overlays; without it
 # the commit reads "unknown": the device copy's git metadata can be stale.)
 #   BENCH=decode VARIANTS="old_decode" CASES=... ROUNDS=3 bash scripts/ab_bench.sh
-# Output: $OUT/ab.log, $OUT/ab_<variant>_r<round>.json, $OUT/ab_summary.md (medians over rounds, per
-# kernel, and each variant against base).  Cost: ~30 s of build per variant, ~10 s per run and case.
+# Output: $OUT/ab.log, $OUT/ab_summary.md (medians over rounds, per kernel, and each variant against
+# base) and $OUT/ab_rounds.tar.gz holding each run's ab_<variant>_r<round>.json (PACK_ROUNDS=0: loose).  Cost: ~30 s of build per variant, ~10 s per run and case.
 set -uo pipefail
 ROOT=$(pwd)
 OUT=${OUT:-/tmp/flashkda_out}
@@ -131,6 +131,11 @@ done
 if ls "$OUT"/ab_*_r*.json > /dev/null 2>&1; then
   # SUMMARY_RATIO=<pattern> (e.g. chunk_prepare) adds ab_summary.py's --ratio table of those kernels.
   python3 scripts/ab_summary.py ${SUMMARY_RATIO:+--ratio "$SUMMARY_RATIO"} "$OUT"/ab_*_r*.json | tee "$OUT/ab_summary.md"
+  # The device returns at most 8 files from $OUT: the rounds' JSONs travel as one archive
+  # (ab_rounds.tar.gz; `tar xzf` it and run ab_summary.py on them again).  PACK_ROUNDS=0 keeps them loose.
+  if [ "${PACK_ROUNDS:-1}" = 1 ]; then
+    (cd "$OUT" && tar czf ab_rounds.tar.gz ab_*_r*.json && rm -f ab_*_r*.json) || echo "packing the rounds failed"
+  fi
 else
   echo "no timed runs (no GPU, or ROUNDS=0)"
 fi
