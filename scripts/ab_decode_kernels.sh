@@ -43,4 +43,9 @@ for r in $(seq 1 "$ROUNDS"); do for k in $KERNELS; do
 done; done
 # Medians over rounds, each kernel against the first of KERNELS (scripts/ab_summary.py, as ab_bench.sh)
 [ ${#jsons[@]} -gt 0 ] && python3 scripts/ab_summary.py --base "${KERNELS%% *}" "${jsons[@]}" | tee "$OUT/ab_decode_summary.md"
+# The device returns at most 8 files from $OUT: each run's JSON and log travel as one archive
+# (PACK_ROUNDS=0 keeps them loose).
+if [ "${PACK_ROUNDS:-1}" = 1 ] && ls "$OUT"/ab_*_r*.* > /dev/null 2>&1; then
+  (cd "$OUT" && tar czf ab_rounds.tar.gz ab_*_r*.* && rm -f ab_*_r*.json ab_*_r*.log) || echo "packing the rounds failed"
+fi
 echo "total: $(( $(date +%s) - t0 )) s"
