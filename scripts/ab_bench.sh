@@ -20,7 +20,8 @@
 # the commit reads "unknown": the device copy's git metadata can be stale.)
 #   BENCH=decode VARIANTS="old_decode" CASES=... ROUNDS=3 bash scripts/ab_bench.sh
 # Output: $OUT/ab.log, $OUT/ab_summary.md (medians over rounds, per kernel, and each variant against
-# base) and $OUT/ab_rounds.tar.gz holding each run's ab_<variant>_r<round>.json (PACK_ROUNDS=0: loose).  Cost: ~30 s of build per variant, ~10 s per run and case.
+# base) and $OUT/ab_rounds.tar.gz holding each run's ab_<variant>_r<round>.json (PACK_ROUNDS=0: loose).
+# Cost: ~30 s of build per variant, ~10 s per run and case.
 set -uo pipefail
 ROOT=$(pwd)
 OUT=${OUT:-/tmp/flashkda_out}
