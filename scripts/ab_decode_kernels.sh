@@ -3,9 +3,9 @@
 # alternating rounds so that the machine's drift falls on every setting alike:
 #   KERNELS="auto stream" CASES=4,6,8,10 ROUNDS=3 TESTS=1 SANITIZE=1 bash scripts/ab_decode_kernels.sh
 # ("auto" unsets the switch.)  TESTS=1 first runs the decode and serving GPU tests, SANITIZE=1 memcheck and
-# racecheck of scripts/sanitize_case.py.  Output: $OUT/ab_decode.log, $OUT/ab_<kernel>_r<round>.json and
-# $OUT/ab_decode_summary.md (scripts/ab_summary.py: median over rounds per case and kernel, each against
-# the first, with % of copy bandwidth).
+# racecheck of scripts/sanitize_case.py.  Output: $OUT/ab_decode.log, $OUT/ab_decode_summary.md
+# (scripts/ab_summary.py: median over rounds per case and kernel, each against the first, with % of copy
+# bandwidth) and $OUT/ab_rounds.tar.gz holding each run's ab_<kernel>_r<round>.json / .log.
 set -uo pipefail
 OUT=${OUT:-/tmp/flashkda_out}
 mkdir -p "$OUT"
