@@ -85,6 +85,15 @@ struct PrepareSmem {
 
 constexpr int kPrepareThreads = 256;
 
+// threadIdx.x read afresh where it is used: the compiler computes the indices of a late phase
+// derived from `tid` (or from warp and lane) early and keeps them live through phase 3, the register
+// peak (Tb's mapping: +2 registers at D = 128); a volatile read cannot be hoisted.
+__device__ inline int thread_index_here() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
+}
+
 // Device-side checks of index values (the host cannot read them without a sync).  Run by one
 // block; a failure is recorded in the workspace error word and the state pass then writes nothing.
 __device__ inline void validate_device_inputs(const PrefillArgs& a) {
@@ -217,10 +226,18 @@ __device__ inline bf16* record_element(bf16* tile, int r, int col) {
   return tile + sw128_element<kChunk>(r, col);
 }
 
+// b of the lane's two fragment rows 16 I + g, 16 I + g + 8, for store_lk_block: read once by the
+// caller (a warp's two blocks of one row block share them), rather than per fragment element, which
+// the compiler cannot hoist past the L stores (sL may alias sB for all it knows).
+__device__ inline float2 lk_row_b(const float* sB, int I, int lane) {
+  const int r = 16 * I + (lane >> 2);
+  return make_float2(sB[r], sB[r + 8]);
+}
+
 // Writes block (I, J) of L (fp32, smem) and MQK (fp16, its staged record image; `scale` includes MQK's shift)
-// from mma accumulators (2 n-tiles).
+// from mma accumulators (2 n-tiles).  `b`: lk_row_b(sB, I, lane).
 template <int D>
-__device__ inline void store_lk_block(const float (&accL)[2][4], const float (&accM)[2][4], const float* sB,
+__device__ inline void store_lk_block(const float (&accL)[2][4], const float (&accM)[2][4], float2 b,
                                       float* sL, bf16* mqk, float scale, int I, int J, int lane) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -229,8 +246,9 @@ __device__ inline void store_lk_block(const float (&accL)[2][4], const float (&a
     for (int hh = 0; hh < 2; ++hh) {
       const int i = 16 * I + g + 8 * hh;
       const int j = 16 * J + 8 * nt + 2 * t;
-      const float l0 = (j < i) ? sB[i] * accL[nt][2 * hh] : 0.f;
-      const float l1 = (j + 1 < i) ? sB[i] * accL[nt][2 * hh + 1] : 0.f;
+      const float bi = hh ? b.y : b.x;  // sB[i]
+      const float l0 = (j < i) ? bi * accL[nt][2 * hh] : 0.f;
+      const float l1 = (j + 1 < i) ? bi * accL[nt][2 * hh + 1] : 0.f;
       sL[i * PrepareSmem<D>::kLdT + j] = l0;
       sL[i * PrepareSmem<D>::kLdT + j + 1] = l1;
       const float m0 = (j <= i) ? scale * accM[nt][2 * hh] : 0.f;
@@ -284,7 +302,7 @@ __device__ inline void lk_block_diag_tf32(const uint16_t* sQ, const uint16_t* sK
       mma_tf32(accM[nt], aq, bk[nt][0], bk[nt][1]);
     }
   }
-  store_lk_block<D>(accL, accM, sB, sL, mqk, scale, I, I, lane);
+  store_lk_block<D>(accL, accM, lk_row_b(sB, I, lane), sL, mqk, scale, I, I, lane);
 }
 
 // An operand pair x 2^e of an off-diagonal L / MQK factor (both factors are <= 1).  kF16
@@ -336,12 +354,15 @@ __device__ inline void lk_row_blocks(const uint16_t* sQ, const uint16_t* sK, con
 #pragma unroll 2
   for (int s = 0; s < D / 16; ++s) {
     uint32_t ak[4], aq[4];
+    // G of the reference row at the step's two column pairs, read once for the A and every B fragment.
+    const float2 grs[2] = {*reinterpret_cast<const float2*>(gref + 16 * s + 2 * t),
+                           *reinterpret_cast<const float2*>(gref + 16 * s + 2 * t + 8)};
 #pragma unroll
     for (int h = 0; h < 4; ++h) {  // a0: (g, 2t) a1: (g+8, 2t) a2: (g, 2t+8) a3: (g+8, 2t+8)
       const int row = 16 * I + g + (h & 1) * 8;
       const int col = 16 * s + 2 * t + (h >> 1) * 8;
       const float2 gg = *reinterpret_cast<const float2*>(sG + row * ldf + col);
-      const float2 gr = *reinterpret_cast<const float2*>(gref + col);
+      const float2 gr = grs[h >> 1];
       const DecayPair<kF16> e(fast_exp2(gg.x - gr.x), fast_exp2(gg.y - gr.y));
       ak[h] = e.apply(sK + row * ldh + col);
       aq[h] = e.apply(sQ + row * ldh + col);
@@ -357,7 +378,7 @@ __device__ inline void lk_row_blocks(const uint16_t* sQ, const uint16_t* sK, con
           const int row = 16 * (J0 + jb) + 8 * nt + g;
           const int col = 16 * s + 2 * t + 8 * h;
           const float2 gg = *reinterpret_cast<const float2*>(sG + row * ldf + col);
-          const float2 gr = *reinterpret_cast<const float2*>(gref + col);
+          const float2 gr = grs[h];
           bk[nt][h] =
               DecayPair<kF16>(fast_exp2(gr.x - gg.x), fast_exp2(gr.y - gg.y)).apply(sK + row * ldh + col);
         }
@@ -369,8 +390,9 @@ __device__ inline void lk_row_blocks(const uint16_t* sQ, const uint16_t* sK, con
       }
     }
   }
-  store_lk_block<D>(accL[0], accM[0], sB, sL, mqk, scale, I, J0, lane);
-  if (two) store_lk_block<D>(accL[1], accM[1], sB, sL, mqk, scale, I, J0 + 1, lane);
+  const float2 b = lk_row_b(sB, I, lane);  // one read for both blocks
+  store_lk_block<D>(accL[0], accM[0], b, sL, mqk, scale, I, J0, lane);
+  if (two) store_lk_block<D>(accL[1], accM[1], b, sL, mqk, scale, I, J0 + 1, lane);
 }
 
 // Diagonal block I summed pairwise with 2^(G_i - G_j) <= 1: safe for any decay (slow path).
@@ -490,31 +512,71 @@ __device__ inline void tinv_block(const float* sL, float* sTi, float* xs, int J,
   __syncwarp();  // T_IJ visible to the warp's next block; xs free again
 }
 
+// cu_seqlens entry k after entry i, clamped into [0, T] exactly as sequence_span clamps it.  T < 2^31
+// (checked on the host, check_cuda_sizes), so the clamped value is an int: one unsigned 64-bit compare
+// instead of two signed clamps with branches.  One address, i times the entry size, serves both entry
+// types (load_index computes one for each).
+__device__ inline int clamped_cu(const PrefillArgs& a, uint32_t i, int k = 0) {
+  // mul.wide.u32 spelled out: from C++ the 32 x 32 -> 64 product became a 64-bit one (extra adds of 0)
+  uint64_t off;
+  asm("mul.wide.u32 %0, %1, %2;" : "=l"(off) : "r"(i), "r"(a.cu_int64 ? 8u : 4u));
+  const char* p = static_cast<const char*>(a.cu_seqlens) + off;
+  const int64_t v = a.cu_int64 ? reinterpret_cast<const int64_t*>(p)[k]
+                               : static_cast<int64_t>(reinterpret_cast<const int32_t*>(p)[k]);
+  return static_cast<uint64_t>(v) <= static_cast<uint64_t>(a.T) ? static_cast<int>(v) : (v < 0 ? 0 : a.T);
+}
+
+// The chunk of a block, as slot_to_chunk and sequence_span give it, in 32 bits: B, T and N are below
+// 2^31 (check_cuda_sizes) and the grid's slots too (a grid dimension), so every token index, slot and
+// length below fits an unsigned int and no 64-bit division is needed (values clamped into [0, T] are
+// non-negative, so / kChunk is a shift).
+struct PrepareChunk {
+  uint32_t n;      // sequence
+  uint32_t batch;  // batch row of the tokens
+  uint32_t tok0;   // first token of the chunk (row-local)
+  int rows;        // tokens of the chunk, 1..kChunk
+};
+
 // slot_to_chunk by the whole block: the sequence of a slot is the number of sequences whose first
 // slot is <= it, minus one (first slots increase for valid cu_seqlens; invalid ones are flagged by
 // validate_device_inputs and the state pass then writes nothing).  One parallel round of loads
-// instead of a chain of log2(N) dependent ones at every block's start.
-__device__ inline bool slot_to_chunk_block(const PrefillArgs& a, int64_t slot, int64_t* n_out,
-                                           int64_t* c_out) {
-  if (!a.cu_seqlens) return slot_to_chunk(a, slot, n_out, c_out);
-  int64_t count = 0;
-  for (int64_t base = 0; base < a.N; base += kPrepareThreads) {
-    const int64_t i = base + threadIdx.x;
-    int le = 0;
-    if (i < a.N) {
-      int64_t cu = load_index(a.cu_seqlens, a.cu_int64, i);
-      cu = cu < 0 ? 0 : (cu > a.T ? a.T : cu);
-      le = cu / kChunk + i <= slot;
+// instead of a chain of log2(N) dependent ones at every block's start.  Returns false for an unused
+// slot.  Block-uniform (barriers inside).
+__device__ inline bool slot_to_chunk_block(const PrefillArgs& a, uint32_t slot, PrepareChunk* out) {
+  uint32_t n, batch, bos, len, slot0;
+  if (!a.cu_seqlens) {
+    const uint32_t per = (static_cast<uint32_t>(a.T) + kChunk - 1) / kChunk;
+    if (per == 0) return false;
+    n = batch = slot / per;
+    if (n >= static_cast<uint32_t>(a.B)) return false;
+    bos = 0;
+    len = a.T;
+    slot0 = n * per;
+  } else {
+    const uint32_t N = a.N > 0 ? a.N : 0;
+    uint32_t count = 0;
+#pragma unroll 1
+    for (uint32_t base = 0; base < N; base += kPrepareThreads) {
+      const uint32_t i = base + threadIdx.x;
+      // floor(cu / C) + i < 2^32: no wrap in the compare
+      count += __syncthreads_count(i < N && (static_cast<uint32_t>(clamped_cu(a, i)) / kChunk) + i <= slot);
     }
-    count += __syncthreads_count(le);
+    if (count == 0) return false;
+    n = count - 1;
+    const int b0 = clamped_cu(a, n), e0 = clamped_cu(a, n, 1);
+    batch = 0;
+    bos = b0;
+    len = (e0 < b0 ? b0 : e0) - b0;  // = sequence_span's clamp of cu[n + 1] into [b0, T]
+    slot0 = static_cast<uint32_t>(b0) / kChunk + n;
   }
-  if (count == 0) return false;
-  const int64_t n = count - 1;
-  const SeqSpan s = sequence_span(a, n);
-  const int64_t c = slot - s.slot0;
-  if (c < 0 || c * kChunk >= s.len) return false;
-  *n_out = n;
-  *c_out = c;
+  // c = slot - slot0 in [0, ceil(len / C)) (len + C - 1 < 2^32)
+  if (slot < slot0) return false;
+  const uint32_t c = slot - slot0;
+  if (c >= (len + kChunk - 1) / kChunk) return false;
+  out->n = n;
+  out->batch = batch;
+  out->tok0 = bos + c * kChunk;
+  out->rows = len - c * kChunk < kChunk ? static_cast<int>(len - c * kChunk) : kChunk;
   return true;
 }
 
@@ -541,13 +603,14 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   if (a.state_indices && blockIdx.y == 0)
     check_state_rows_distinct(a, reinterpret_cast<int64_t*>(smem + SM::kQ));
 
-  int64_t n, c;
-  if (!slot_to_chunk_block(a, blockIdx.x, &n, &c)) return;
-  if (a.state_indices && load_index(a.state_indices, a.idx_int64, n) < 0) return;  // padded sequence
+  PrepareChunk ch;
+  if (!slot_to_chunk_block(a, blockIdx.x, &ch)) return;
+  if (a.state_indices && load_index(a.state_indices, a.idx_int64, ch.n) < 0) return;  // padded sequence
   const int h = blockIdx.y;
-  const SeqSpan sp = sequence_span(a, n);
-  const int64_t tok0 = sp.bos + c * kChunk;
-  const int rows = (sp.len - c * kChunk < kChunk) ? static_cast<int>(sp.len - c * kChunk) : kChunk;
+  // Unsigned 32-bit batch row and tokens (see PrepareChunk): their products with the 64-bit strides
+  // below are one wide multiply-add and one multiply-add each, not a full 64 x 64 product.
+  const int64_t batch = ch.batch, tok0 = ch.tok0;
+  const int rows = ch.rows;
   const float scale = a.scale;
   const bool qk16 = a.l2norm != 0;  // fp16 q/k in smem when normalised, raw bf16 otherwise
   char* rec = a.records + (static_cast<int64_t>(blockIdx.x) * a.H + h) * ChunkRecord<D>::kBytes;
@@ -572,33 +635,55 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   // inside a per-pass branch made each pass wait for its own round trip.
   uint32_t bbits[PASSES];
   {
-    int64_t bi[PASSES];
+    // One byte address a pass for both element types (a 2- or 4-byte load from it).  Without a row
+    // map the chunk's rows are consecutive tokens: the address is the first row's plus the 32-bit row
+    // index times the byte stride, one wide multiply-add and one multiply-add.  Each case keeps its
+    // own loads (and brow0 is opaque) so that the compiler does not fold the two back into one 64-bit
+    // (tok0 + r) product a pass.
+    const bool bf32 = a.beta_fp32 != 0;
+    const int bsz = bf32 ? 4 : 2;
+    const char* bbase = static_cast<const char*>(a.beta) + (batch * a.beta_sb + h) * bsz;
+    const int64_t bst = a.beta_st * bsz;
+    // bf16 bits in the high half are the same value as fp32
+    auto load_beta = [&](const char* p) -> uint32_t {
+      return bf32 ? *reinterpret_cast<const uint32_t*>(p) : *reinterpret_cast<const uint16_t*>(p);
+    };
+    if (a.token_rows == nullptr) {
+      const char* brow0 = bbase + tok0 * bst;
+      asm("" : "+l"(brow0));  // opaque: else brow0 + r bst is re-associated into a 64-bit (tok0 + r) bst
+      __builtin_assume(__isGlobal(brow0));  // still a.beta's memory: global loads, not generic ones
 #pragma unroll
-    for (int pass = 0; pass < PASSES; ++pass) {
-      const int r = rbase + pass * RPP;
-      bi[pass] = sp.batch * a.beta_sb + mapped_row(a, tok0 + (r < rows ? r : rows - 1)) * a.beta_st + h;
-    }
-    if (a.beta_fp32) {
+      for (int pass = 0; pass < PASSES; ++pass) {
+        const uint32_t r = min(static_cast<uint32_t>(rbase + pass * RPP), static_cast<uint32_t>(rows - 1));
+        bbits[pass] = load_beta(brow0 + static_cast<uint64_t>(r) * bst);
+      }
+    } else {
 #pragma unroll
-      for (int pass = 0; pass < PASSES; ++pass) bbits[pass] = static_cast<const uint32_t*>(a.beta)[bi[pass]];
-    } else {  // bf16 bits in the high half are the same value as fp32
-#pragma unroll
-      for (int pass = 0; pass < PASSES; ++pass) bbits[pass] = static_cast<const uint16_t*>(a.beta)[bi[pass]];
+      for (int pass = 0; pass < PASSES; ++pass) {
+        const int r = rbase + pass * RPP;
+        bbits[pass] = load_beta(bbase + mapped_row(a, tok0 + (r < rows ? r : rows - 1)) * bst);
+      }
     }
   }
   const float A_log_h = gated ? a.A_log[h] : 0.f;
-  float gb[8];  // dt_bias of the thread's 8 columns (folded into the bounded gate's constant below)
+  // dt_bias of the thread's 8 columns (folded into the bounded gate's constant below).  Read only by
+  // the bounded and softplus gates, so left unset for a precomputed gate (no zeroing, no branches).
+  float gb[8];
+  if (gated) {
 #pragma unroll
-  for (int i = 0; i < 8; ++i) gb[i] = gated ? a.dt_bias[h * D + c8 + i] : 0.f;
+    for (int i = 0; i < 8; ++i) gb[i] = a.dt_bias[h * D + c8 + i];
+  }
 
   if (staged) {
     // Row offsets are hoisted: without a row map the thread's row advances by RPP tokens a pass, so
     // each tensor's address is one 64-bit add per pass (recomputing batch * sb + tok * st + h D
     // inside the per-pass branch cost ~100 instructions a pass).
+    // h D + c8 and the row below as unsigned 32-bit values: zero- rather than sign-extended to 64 bits.
     const int gsz = a.g_fp32 ? 4 : 2;
-    const char* qp = reinterpret_cast<const char*>(a.q + sp.batch * a.q_sb + h * D + c8);
-    const char* kp = reinterpret_cast<const char*>(a.k + sp.batch * a.k_sb + h * D + c8);
-    const char* gp = static_cast<const char*>(a.g) + (sp.batch * a.g_sb + h * D + c8) * gsz;
+    const int64_t col = static_cast<uint32_t>(h * D + c8);
+    const char* qp = reinterpret_cast<const char*>(a.q + batch * a.q_sb + col);
+    const char* kp = reinterpret_cast<const char*>(a.k + batch * a.k_sb + col);
+    const char* gp = static_cast<const char*>(a.g) + (batch * a.g_sb + col) * gsz;
     const int64_t qst = a.q_st * 2, kst = a.k_st * 2, gst = a.g_st * gsz;
     uint16_t* sq = sQ + rbase * ldh + c8;
     uint16_t* sk = sK + rbase * ldh + c8;
@@ -615,8 +700,9 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
       }
     };
     if (a.token_rows == nullptr) {
-      qp += (tok0 + rbase) * qst, kp += (tok0 + rbase) * kst;
-      gp += (tok0 + rbase) * gst;
+      const int64_t row0 = ch.tok0 + static_cast<uint32_t>(rbase);  // < T + RPP < 2^32
+      qp += row0 * qst, kp += row0 * kst;
+      gp += row0 * gst;
 #pragma unroll
       for (int pass = 0; pass < PASSES; ++pass) {
         if (rbase + pass * RPP < rows) stage_row(pass, 0);
@@ -637,11 +723,9 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
       const int r = rbase + pass * RPP;
       if (r >= rows) continue;
       const int64_t tok = mapped_row(a, tok0 + r);
-      const uint16_t* q =
-          reinterpret_cast<const uint16_t*>(a.q + sp.batch * a.q_sb + tok * a.q_st + h * D + c8);
-      const uint16_t* k =
-          reinterpret_cast<const uint16_t*>(a.k + sp.batch * a.k_sb + tok * a.k_st + h * D + c8);
-      const int64_t go = sp.batch * a.g_sb + tok * a.g_st + h * D + c8;
+      const uint16_t* q = reinterpret_cast<const uint16_t*>(a.q + batch * a.q_sb + tok * a.q_st + h * D + c8);
+      const uint16_t* k = reinterpret_cast<const uint16_t*>(a.k + batch * a.k_sb + tok * a.k_st + h * D + c8);
+      const int64_t go = batch * a.g_sb + tok * a.g_st + h * D + c8;
 #pragma unroll 1
       for (int i = 0; i < 8; ++i) {
         sQ[r * ldh + c8 + i] = q[i];
@@ -885,41 +969,52 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   __syncthreads();
   // Tb = T_inv diag(b) 2^-shift_t in fp16 from the lower blocks only: the upper ones hold the column
   // walks' scratch (block (J, 3)) or were never written, and are zero in Tb.
-  // Each warp holds rows warp + 8k (column pair 2 lane) in registers from the max to the store.
-  constexpr int kTbPairs = kChunk * kChunk / 2 / kPrepareThreads;
-  static_assert(kChunk / 2 == 32, "one column pair per lane");
-  float2 tbv[kTbPairs];
+  // Thread (rg, cg) = (tid / 16, tid % 16) holds rows rg + 16 i (row block i) x columns 4 cg .. 4 cg + 3
+  // in registers from the max to the store: one 16-byte read a row (rows are 16-byte aligned; a half
+  // warp reads one row's 256 contiguous bytes, conflict-free) and one 8-byte store a row (4 fp16 of one
+  // 16-byte piece of the SW128 image), 4 + 4 accesses a thread instead of the 8 + 8 of column pairs
+  // (the MIO pipe is this kernel's busiest; the wavefronts are the same).  4 columns, not 8: a thread
+  // reading 8 columns as two float4 would leave 32-byte gaps between the lanes of a quarter warp (2-way
+  // bank conflicts).  Every image element is written once; the products are those of column pairs.
+  constexpr int kTbRows = kChunk * kChunk / 4 / kPrepareThreads;
+  static_assert(kTbRows == 4 && kChunk / 4 == 16, "4 rows of 4 columns a thread, 16 threads a row");
+  const int tid5 = thread_index_here();  // not tid (thread_index_here says why)
+  const int tb_rg = tid5 / 16, tb_c4 = (tid5 % 16) * 4, tb_cb = tb_c4 / 16;  // tb_cb: column block
+  float4 tbv[kTbRows];
   {
+    const float4 bj = *reinterpret_cast<const float4*>(sB + tb_c4);
+    const float* trow = sTi + tb_rg * ldt + tb_c4;  // row rg + 16 i at a constant offset
     float tmax = 0.f;
-    const float2 bj = *reinterpret_cast<const float2*>(sB + 2 * lane);
-    // Row warp + 8k, columns 2 lane, 2 lane + 1: one 8-byte read (rows are 16-byte aligned) at a
-    // constant offset from one pointer.
-    const float* trow = sTi + warp * ldt + 2 * lane;
 #pragma unroll
-    for (int k = 0; k < kTbPairs; ++k) {
-      const bool lower = (lane / 8) <= ((warp + 8 * k) / 16);  // column block <= row block
-      if (lower) {
-        const float2 x = *reinterpret_cast<const float2*>(trow + 8 * k * ldt);
-        tbv[k] = make_float2(x.x * bj.x, x.y * bj.y);
+    for (int i = 0; i < kTbRows; ++i) {
+      if (tb_cb <= i) {  // column block <= row block
+        const float4 x = *reinterpret_cast<const float4*>(trow + 16 * i * ldt);
+        tbv[i] = make_float4(x.x * bj.x, x.y * bj.y, x.z * bj.z, x.w * bj.w);
       } else {
-        tbv[k] = make_float2(0.f, 0.f);
+        tbv[i] = make_float4(0.f, 0.f, 0.f, 0.f);
       }
-      tmax = fmaxf(tmax, fmaxf(fabsf(tbv[k].x), fabsf(tbv[k].y)));
+      tmax = fmaxf(tmax,
+                   fmaxf(fmaxf(fabsf(tbv[i].x), fabsf(tbv[i].y)), fmaxf(fabsf(tbv[i].z), fabsf(tbv[i].w))));
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, o));
-    if (lane == 0) atomicMax(&sMax[2], __float_as_int(tmax));
+    // tmax is a non-negative float (never NaN: fmaxf drops NaN against 0), whose bits order like the
+    // value: one REDUX instead of a 5-step shuffle tree.
+    const unsigned wmax = __reduce_max_sync(0xffffffffu, __float_as_uint(tmax));
+    if (lane == 0) atomicMax(&sMax[2], static_cast<int>(wmax));
   }
   __syncthreads();
   const int shift_t = pow2_shift(__int_as_float(sMax[2]), 1);  // |Tb 2^-shift_t| < 2
   // Tb's record image (the walk's B operand of VnT = XT Tb^T), over G (phase 4b was its last reader).
   bf16* sTbSt = reinterpret_cast<bf16*>(smem + SM::kTbSt);
   {
+    // The image's 64 columns are one SW128 half (128 bytes a row) and rows 16 apart share r & 7, hence
+    // the swizzle: row rg + 16 i is 16 i x 64 elements past row rg.
+    static_assert(kChunk == 64, "one SW128 half a row");
+    bf16* dst = record_element(sTbSt, tb_rg, tb_c4);
     const float st = pow2i(-shift_t);
 #pragma unroll
-    for (int k = 0; k < kTbPairs; ++k) {
-      *reinterpret_cast<uint32_t*>(record_element(sTbSt, warp + 8 * k, 2 * lane)) =
-          pack_f16(tbv[k].x * st, tbv[k].y * st);
+    for (int i = 0; i < kTbRows; ++i) {
+      *reinterpret_cast<uint2*>(dst + 16 * i * kChunk) =
+          make_uint2(pack_f16(tbv[i].x * st, tbv[i].y * st), pack_f16(tbv[i].z * st, tbv[i].w * st));
     }
   }
   if (tid == 0) *reinterpret_cast<int*>(rec + ChunkRecord<D>::kShifts) = shift_t;
