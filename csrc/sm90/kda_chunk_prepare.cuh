@@ -8,7 +8,8 @@
 //      that hold a row), gate -> log decay (log2 units), beta; cumulative decay G by a two-level scan.
 //      q and k are kept as fp16 when l2-normalised (|x| <= 1: 8x finer than bf16) and as the raw bf16
 //      otherwise (exact).
-//   2. gamma = 2^G_last and the fp16 shifts to the chunk record (QT, KT and KD: 4b).
+//   2. gamma = 2^G_last and the fp16 shifts to the chunk record (QT, KT and KD: 4b); the shifts are
+//      formed by warp 7 alone and reach the others through shared memory by the phase's barrier.
 //   3. L = strict_lower(diag(b) kt kb^T) and MQK = lower_incl(qt kb^T) on tensor cores, per 16x16
 //      block (I, J).  Off-diagonal blocks use the reference row 16I-1 (the row before block I):
 //      A = k_i 2^(G_i - G_ref), B = k_j 2^(G_ref - G_j), both <= 1 for any gate.  Diagonal blocks use
@@ -17,9 +18,9 @@
 //      tf32 mma (fp32 range, 10-bit mantissa) rather than bf16.  Off-diagonal factors are bf16, or
 //      fp16 (packed products) when q and k are l2-normalised; A depends on I alone, so the warps that
 //      own two blocks of one row block form it once.  Warps 0-3 own the diagonal blocks, 4-7 the six
-//      off-diagonal ones.  MQK is fp16 with a power-of-two shift from the bound scale |q_i| |k_j|,
-//      written to its staged record image and stored by one TMA bulk copy right after phase 3
-//      (the 4-byte fragment stores it replaced cost 2-3% of a call).
+//      off-diagonal ones; their q / k fragments come by ldmatrix.x4.  MQK is fp16 with a power-of-two shift
+//      from the bound scale |q_i| |k_j|, written to its staged record image and stored by one TMA bulk copy
+//      right after phase 3 (the 4-byte fragment stores it replaced cost 2-3% of a call).
 //   4. T_inv = (I + L)^-1 in a buffer of its own: 16x16 diagonal blocks by fp32 forward substitution
 //      (in phase 3, by the warp that computed L_II), then the off-diagonal blocks
 //      T_IJ = -T_II sum_M L_IM T_MJ on tf32 mma, one warp per column J walking I = J+1 .. 3 (a column
@@ -31,6 +32,8 @@
 //      G, one TMA bulk store).  The walk forms VnT = (v^T - S KT^T) Tb^T itself, so neither v nor W
 //      nor U is handled here.  fp16's 11-bit mantissa on T_inv is what keeps the state error well
 //      under bf16's.
+// Issue slots, not memory, bind outside phase 1: instructions cut in the prologue paid ~1:1 in time,
+// in phases 2-5 ~0.5:1, in phase 1 nothing (perf-notes v24), so index math there is kept lean.
 // Shared memory (D = 128): q, k 16-bit 2 x 17.4 KB, G fp32 34.8 KB (later the staged Tb), L fp32
 // 17.4 KB, T_inv fp32 17.4 KB, staged MQK 8 KB: 112.3 KB, two blocks per SM (113 KB allowed).
 #pragma once
@@ -62,7 +65,7 @@ struct PrepareSmem {
   static constexpr int kL = kG + kChunk * kLdF * 4;  // fp32 L [C][kLdT]
   static constexpr int kB = kL + kChunk * kLdT * 4;  // fp32 b [C]
   static constexpr int kTot = kB + kChunk * 4;       // fp32 scan partial sums [4][D]
-  // int-encoded maxima: (unused), |k|, |T_inv b|, |q_row|^2, |k_row|^2
+  // int-encoded maxima: (unused), |k|, |T_inv b|, |q_row|^2, |k_row|^2; then the shifts shift_m, shift_d
   static constexpr int kMax = kTot + 4 * D * 4;
   static constexpr int kEnd = kMax + 32;
   // T_inv in a region of its own, not over q and k: QT / KT / KD (phase 4b) read q, k and G while
@@ -198,11 +201,18 @@ __device__ inline void load8_f32(const float* p, float (&x)[8]) {
   x[0] = u0.x, x[1] = u0.y, x[2] = u0.z, x[3] = u0.w, x[4] = u1.x, x[5] = u1.y, x[6] = u1.z, x[7] = u1.w;
 }
 
-// q and k in shared memory: fp16 (l2-normalised) or bf16 (raw), chosen per call.
-__device__ inline float2 load_qk2(const uint16_t* p, bool fp16) {
-  const uint32_t u = *reinterpret_cast<const uint32_t*>(p);
+// A pair of q or k elements (one 32-bit register: low half first) as floats: fp16 (l2-normalised) or
+// bf16 (raw), chosen per call.
+__device__ inline float2 qk2_float2(uint32_t u, bool fp16) {
   if (fp16) return __half22float2(*reinterpret_cast<const __half2*>(&u));
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
+  // bf16 is the high half of an fp32: one shift or mask per element, as load8_qk (the intrinsic's high
+  // half took a PRMT and a shift)
+  return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
+}
+
+// q and k in shared memory: two consecutive elements.
+__device__ inline float2 load_qk2(const uint16_t* p, bool fp16) {
+  return qk2_float2(*reinterpret_cast<const uint32_t*>(p), fp16);
 }
 
 __device__ inline void load8_qk(const uint16_t* p, bool fp16, float (&x)[8]) {
@@ -226,7 +236,7 @@ __device__ inline bf16* record_element(bf16* tile, int r, int col) {
   return tile + sw128_element<kChunk>(r, col);
 }
 
-// b of the lane's two fragment rows 16 I + g, 16 I + g + 8, for store_lk_block: read once by the
+// b of the lane's two fragment rows 16 I + g, 16 I + g + 8, for store_lk_*: read once by the
 // caller (a warp's two blocks of one row block share them), rather than per fragment element, which
 // the compiler cannot hoist past the L stores (sL may alias sB for all it knows).
 __device__ inline float2 lk_row_b(const float* sB, int I, int lane) {
@@ -234,26 +244,82 @@ __device__ inline float2 lk_row_b(const float* sB, int I, int lane) {
   return make_float2(sB[r], sB[r + 8]);
 }
 
-// Writes block (I, J) of L (fp32, smem) and MQK (fp16, its staged record image; `scale` includes MQK's shift)
-// from mma accumulators (2 n-tiles).  `b`: lk_row_b(sB, I, lane).
+// The lane's fragment pairs of block (I, J) in MQK's staged record image (SW128, sw128_element<kChunk>):
+// pair (nt, hh) is the element (16 I + g + 8 hh, 16 J + 8 nt + 2 t).  Column +8 from a column whose bit 3 is
+// clear is the neighbouring 16-byte piece (the piece index's bit 0 flipped: element offset ^ 8) and row +8
+// keeps the swizzle phase (row & 7), so it is 8 rows of 64 elements further: one address computation a
+// block for the four pairs (per pair, the swizzle took ~6 integer instructions).
+// test_layouts.cpp (SharedMemoryLayout.MqkFragmentPairs) checks both properties.
+struct MqkPairs {
+  uint32_t* p0;                                    // (nt = 0, hh = 0); hh = 1 at p0 + kRowStep
+  uint32_t* p1;                                    // (nt = 1, hh = 0)
+  static constexpr int kRowStep = 8 * kChunk / 2;  // 8 rows, in 32-bit words
+  __device__ MqkPairs(bf16* mqk, int I, int J, int lane) {
+    const int e = sw128_element<kChunk>(16 * I + (lane >> 2), 16 * J + 2 * (lane & 3));
+    p0 = reinterpret_cast<uint32_t*>(mqk + e);
+    p1 = reinterpret_cast<uint32_t*>(mqk + (e ^ 8));
+  }
+  __device__ uint32_t* at(int nt, int hh) const { return (nt ? p1 : p0) + hh * kRowStep; }
+};
+static_assert(kChunk == 64, "MqkPairs: one SW128 half of 64 columns (128-byte rows)");
+
+// Writes off-diagonal block (I, J), J < I, of L (fp32, smem) and MQK (fp16, its staged record image;
+// `scale` includes MQK's shift) from mma accumulators (2 n-tiles).  `b`: lk_row_b(sB, I, lane).  Every
+// column of the block is left of every row, so no element is masked (the masks of the general form,
+// which the compiler cannot drop for a runtime J < I, were ~20 instructions a block).
 template <int D>
-__device__ inline void store_lk_block(const float (&accL)[2][4], const float (&accM)[2][4], float2 b,
-                                      float* sL, bf16* mqk, float scale, int I, int J, int lane) {
+__device__ inline void store_lk_offdiag(const float (&accL)[2][4], const float (&accM)[2][4], float2 b,
+                                        float* sL, bf16* mqk, float scale, int I, int J, int lane) {
+  constexpr int ldt = PrepareSmem<D>::kLdT;
+  static_assert(ldt % 2 == 0, "a lane's L pair (even column) is one 8-byte store");
   const int g = lane >> 2, t = lane & 3;
+  float* l = sL + (16 * I + g) * ldt + 16 * J + 2 * t;
+  const MqkPairs m(mqk, I, J, lane);
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      const int i = 16 * I + g + 8 * hh;
-      const int j = 16 * J + 8 * nt + 2 * t;
       const float bi = hh ? b.y : b.x;  // sB[i]
-      const float l0 = (j < i) ? bi * accL[nt][2 * hh] : 0.f;
-      const float l1 = (j + 1 < i) ? bi * accL[nt][2 * hh + 1] : 0.f;
-      sL[i * PrepareSmem<D>::kLdT + j] = l0;
-      sL[i * PrepareSmem<D>::kLdT + j + 1] = l1;
-      const float m0 = (j <= i) ? scale * accM[nt][2 * hh] : 0.f;
-      const float m1 = (j + 1 <= i) ? scale * accM[nt][2 * hh + 1] : 0.f;
-      *reinterpret_cast<uint32_t*>(record_element(mqk, i, j)) = pack_f16(m0, m1);
+      *reinterpret_cast<float2*>(l + 8 * hh * ldt + 8 * nt) =
+          make_float2(bi * accL[nt][2 * hh], bi * accL[nt][2 * hh + 1]);
+      *m.at(nt, hh) = pack_f16(scale * accM[nt][2 * hh], scale * accM[nt][2 * hh + 1]);
+    }
+  }
+}
+
+// The same for diagonal block (I, I): L strictly lower, MQK lower with its diagonal.  Row g + 8 hh against
+// column 8 nt + 2 t (+1): the n-tile-1 pairs of rows 0-7 are above the diagonal (zeros, no products), the
+// n-tile-0 pairs of rows 8-15 below it (unmasked), and the other two compare 2 t (+1) with g alike, so
+// three predicates serve the block.  The values are those of the general masked form (a masked element
+// is 0.f there too).
+template <int D>
+__device__ inline void store_lk_diag(const float (&accL)[2][4], const float (&accM)[2][4], float2 b,
+                                     float* sL, bf16* mqk, float scale, int I, int lane) {
+  constexpr int ldt = PrepareSmem<D>::kLdT;
+  const int g = lane >> 2, t = lane & 3;
+  float* l = sL + (16 * I + g) * ldt + 16 * I + 2 * t;
+  const MqkPairs m(mqk, I, I, lane);
+  const bool lt0 = 2 * t < g, lt1 = 2 * t + 1 < g, le0 = 2 * t <= g;  // j < i, j + 1 < i, j <= i
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float* lp = l + 8 * hh * ldt + 8 * nt;
+      if (nt > hh) {  // above the diagonal
+        *reinterpret_cast<float2*>(lp) = make_float2(0.f, 0.f);
+        *m.at(nt, hh) = 0u;  // pack_f16(0.f, 0.f)
+        continue;
+      }
+      const float bi = hh ? b.y : b.x;  // sB[i]
+      const float l0 = bi * accL[nt][2 * hh], l1 = bi * accL[nt][2 * hh + 1];
+      const float m0 = scale * accM[nt][2 * hh], m1 = scale * accM[nt][2 * hh + 1];
+      if (nt < hh) {  // below the diagonal
+        *reinterpret_cast<float2*>(lp) = make_float2(l0, l1);
+        *m.at(nt, hh) = pack_f16(m0, m1);
+      } else {
+        *reinterpret_cast<float2*>(lp) = make_float2(lt0 ? l0 : 0.f, lt1 ? l1 : 0.f);
+        *m.at(nt, hh) = pack_f16(le0 ? m0 : 0.f, lt0 ? m1 : 0.f);  // j + 1 <= i: j < i
+      }
     }
   }
 }
@@ -268,41 +334,54 @@ __device__ inline void lk_block_diag_tf32(const uint16_t* sQ, const uint16_t* sK
   constexpr int ldf = PrepareSmem<D>::kLdF, ldh = PrepareSmem<D>::kLdH;
   const int g = lane >> 2, t = lane & 3;
   float accL[2][4] = {}, accM[2][4] = {};
-  const float* gref = sG + (16 * I + 7) * ldf;
   // The k index of an m16n8k8 step is permuted (any permutation applied to both operands leaves the
   // product unchanged): lane t's k = t and t + 4 are the adjacent columns 8s + 2t, 8s + 2t + 1, so each
-  // operand pair is one 8-byte G read and one 4-byte q / k read instead of two scalar reads each.
-#pragma unroll 4
-  for (int s = 0; s < D / 8; ++s) {
-    const int c0 = 8 * s + 2 * t;
-    const float2 gr = *reinterpret_cast<const float2*>(gref + c0);
-    uint32_t ak[4], aq[4], bk[2][2];
+  // operand pair is one 8-byte G read and one 16-bit q / k pair.  Those pairs (rows g and g + 8 of the
+  // block, which are A's rows and B's n columns alike) come for two k steps at once by one ldmatrix.x4
+  // a tensor instead of eight 4-byte LDS: matrices (rows 0-7 | 8-15) x (columns 16sp | 16sp + 8), so
+  // register 2u + h holds row g + 8h, columns 16sp + 8u + 2t, +1 (step 2sp + u; lane rows
+  // 16I + (lane & 15), columns 8 (lane >> 4)).
+  const int lane_off = (16 * I + (lane & 15)) * ldh + 8 * (lane >> 4);
+  const uint32_t k_lane = smem_addr(sK + lane_off), q_lane = smem_addr(sQ + lane_off);
+  // G of the lane's rows g (g + 8 at + 8 ldf) and of the reference row, at its column pair 2t of the
+  // step: pointers advanced once a step pair (indexing by 16 sp + 8 u recomputed both row addresses in
+  // every iteration).
+  const float* grow = sG + (16 * I + g) * ldf + 2 * t;
+  const float* gref = sG + (16 * I + 7) * ldf + 2 * t;
+#pragma unroll 2
+  for (int sp = 0; sp < D / 16; ++sp, grow += 16, gref += 16) {
+    uint32_t kr[4], qr[4];
+    ldmatrix_x4(kr, k_lane + 32 * sp);  // 16 columns (32 bytes) a step pair
+    ldmatrix_x4(qr, q_lane + 32 * sp);
 #pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {  // a[hr]: (g + 8 hr, k = t) -> column c0; a[2 + hr]: k = t + 4 -> c0 + 1
-      const int row = 16 * I + g + 8 * hr;
-      const float2 gg = *reinterpret_cast<const float2*>(sG + row * ldf + c0);
-      const float e0 = fast_exp2(gg.x - gr.x), e1 = fast_exp2(gg.y - gr.y);
-      const float2 kk = load_qk2(sK + row * ldh + c0, kF16), qq = load_qk2(sQ + row * ldh + c0, kF16);
-      ak[hr] = tf32_operand(kk.x * e0);
-      ak[2 + hr] = tf32_operand(kk.y * e1);
-      aq[hr] = tf32_operand(qq.x * e0);
-      aq[2 + hr] = tf32_operand(qq.y * e1);
-    }
+    for (int u = 0; u < 2; ++u) {  // columns c0 = 8 (2 sp + u) + 2t, c0 + 1
+      const float2 gr = *reinterpret_cast<const float2*>(gref + 8 * u);
+      uint32_t ak[4], aq[4], bk[2][2];
+      // a[hr]: (g + 8 hr, k = t) -> column c0; a[2 + hr]: k = t + 4 -> c0 + 1.  Row g + 8 hr is also B's n
+      // column g of n-tile hr (b0: k = t -> c0, b1: k = t + 4 -> c0 + 1), whose factor 2^(G_ref - G_row) is
+      // taken as 2^-(G_row - G_ref): the same bits (round-to-nearest is sign-symmetric, and 2^-0 = 2^+0), the
+      // negation an operand modifier of MUFU.EX2, so one FADD an element instead of two.
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {  // b0: (k = t, n = g) -> column c0, b1: (k = t + 4, n = g) -> c0 + 1
-      const int row = 16 * I + 8 * nt + g;
-      const float2 gg = *reinterpret_cast<const float2*>(sG + row * ldf + c0);
-      const float2 kk = load_qk2(sK + row * ldh + c0, kF16);
-      bk[nt][0] = tf32_operand(kk.x * fast_exp2(gr.x - gg.x));
-      bk[nt][1] = tf32_operand(kk.y * fast_exp2(gr.y - gg.y));
-    }
+      for (int hr = 0; hr < 2; ++hr) {
+        const float2 gg = *reinterpret_cast<const float2*>(grow + 8 * hr * ldf + 8 * u);
+        const float d0 = gg.x - gr.x, d1 = gg.y - gr.y;
+        const float e0 = fast_exp2(d0), e1 = fast_exp2(d1);
+        const float2 kk = qk2_float2(kr[2 * u + hr], kF16), qq = qk2_float2(qr[2 * u + hr], kF16);
+        ak[hr] = tf32_operand(kk.x * e0);
+        ak[2 + hr] = tf32_operand(kk.y * e1);
+        aq[hr] = tf32_operand(qq.x * e0);
+        aq[2 + hr] = tf32_operand(qq.y * e1);
+        bk[hr][0] = tf32_operand(kk.x * fast_exp2(-d0));
+        bk[hr][1] = tf32_operand(kk.y * fast_exp2(-d1));
+      }
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      mma_tf32(accL[nt], ak, bk[nt][0], bk[nt][1]);
-      mma_tf32(accM[nt], aq, bk[nt][0], bk[nt][1]);
+      for (int nt = 0; nt < 2; ++nt) {
+        mma_tf32(accL[nt], ak, bk[nt][0], bk[nt][1]);
+        mma_tf32(accM[nt], aq, bk[nt][0], bk[nt][1]);
+      }
     }
   }
-  store_lk_block<D>(accL, accM, lk_row_b(sB, I, lane), sL, mqk, scale, I, I, lane);
+  store_lk_diag<D>(accL, accM, lk_row_b(sB, I, lane), sL, mqk, scale, I, lane);
 }
 
 // An operand pair x 2^e of an off-diagonal L / MQK factor (both factors are <= 1).  kF16
@@ -312,12 +391,13 @@ __device__ inline void lk_block_diag_tf32(const uint16_t* sQ, const uint16_t* sK
 // far below the block's O(1) entries).  Raw (unnormalised) q and k need bf16's range.
 template <bool kF16>
 struct DecayPair;
+// apply() takes the operand pair as loaded (one ldmatrix register: low half first).
 template <>
 struct DecayPair<true> {
   __half2 e;
   __device__ DecayPair(float e0, float e1) : e(__floats2half2_rn(e0, e1)) {}
-  __device__ uint32_t apply(const uint16_t* p) const {
-    const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(p), e);
+  __device__ uint32_t apply(uint32_t u) const {
+    const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&u), e);
     return *reinterpret_cast<const uint32_t*>(&r);
   }
 };
@@ -325,8 +405,8 @@ template <>
 struct DecayPair<false> {
   float e0, e1;
   __device__ DecayPair(float x0, float x1) : e0(x0), e1(x1) {}
-  __device__ uint32_t apply(const uint16_t* p) const {
-    const float2 x = load_qk2(p, false);
+  __device__ uint32_t apply(uint32_t u) const {
+    const float2 x = qk2_float2(u, false);
     return pack_bf16(x.x * e0, x.y * e1);
   }
 };
@@ -343,44 +423,59 @@ __device__ inline void mma_factor(float (&d)[4], const uint32_t (&a)[4], uint32_
 // Off-diagonal blocks (I, J0) and, when `two`, (I, J0 + 1) of L and MQK on tensor cores, factorised
 // around the row before block I (ref = 16 I - 1): A = k_i 2^(G_i - G_ref) (and q), B = k_j
 // 2^(G_ref - G_j), both <= 1 for any gate.  A depends on I alone, so a warp that owns two blocks of
-// a row block forms each A fragment once and uses it for both (`two` is warp-uniform).
+// a row block forms each A fragment once and uses it for both (`two` is warp-uniform).  The q / k
+// fragments come by ldmatrix.x4 (one a tensor for A, one a block for B) rather than 4-byte LDS each;
+// the decay factors are applied to the loaded registers exactly as before.
 template <int D, bool kF16>
 __device__ inline void lk_row_blocks(const uint16_t* sQ, const uint16_t* sK, const float* sG, const float* sB,
                                      float* sL, bf16* mqk, float scale, int I, int J0, bool two, int lane) {
   constexpr int ldf = PrepareSmem<D>::kLdF, ldh = PrepareSmem<D>::kLdH;
   const int g = lane >> 2, t = lane & 3;
   float accL[2][2][4] = {}, accM[2][2][4] = {};
-  const float* gref = sG + (16 * I - 1) * ldf;
+  // A (rows 16I.., k columns 16s..): matrices (rows 0-7 | 8-15) x (columns 0-7 | 8-15) in the order
+  // a0 .. a3, lane rows 16I + (lane & 15), columns 8 (lane >> 4).
+  const int a_off = (16 * I + (lane & 15)) * ldh + 8 * (lane >> 4);
+  const uint32_t k_a_lane = smem_addr(sK + a_off), q_a_lane = smem_addr(sQ + a_off);
+  // B of block J (B[k][n] = k_J[n][k], k rows of the block are its n columns): matrices (n 0-7, k 0-7),
+  // (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15) = bk[0][0], bk[0][1], bk[1][0], bk[1][1]; lane
+  // rows 16 J0 + (lane & 7) + 8 (lane >> 4), columns 8 ((lane >> 3) & 1).
+  const uint32_t k_b_lane =
+      smem_addr(sK + (16 * J0 + (lane & 7) + 8 * (lane >> 4)) * ldh + 8 * ((lane >> 3) & 1));
+  // G at the lane's column pair 2t of the step: the reference row, A's rows 16 I + g (+ 8 ldf: g + 8) and
+  // B's n columns 16 J0 + g (+ 8 ldf per n-tile, + 16 ldf for block J0 + 1); pointers advanced once a
+  // step (indexing by row and 16 s recomputed the three row addresses in every iteration).
+  const float* gref = sG + (16 * I - 1) * ldf + 2 * t;
+  const float* ga = sG + (16 * I + g) * ldf + 2 * t;
+  const float* gb = sG + (16 * J0 + g) * ldf + 2 * t;
 #pragma unroll 2
-  for (int s = 0; s < D / 16; ++s) {
+  for (int s = 0; s < D / 16; ++s, gref += 16, ga += 16, gb += 16) {
     uint32_t ak[4], aq[4];
     // G of the reference row at the step's two column pairs, read once for the A and every B fragment.
-    const float2 grs[2] = {*reinterpret_cast<const float2*>(gref + 16 * s + 2 * t),
-                           *reinterpret_cast<const float2*>(gref + 16 * s + 2 * t + 8)};
+    const float2 grs[2] = {*reinterpret_cast<const float2*>(gref),
+                           *reinterpret_cast<const float2*>(gref + 8)};
+    ldmatrix_x4(ak, k_a_lane + 32 * s);  // 16 columns (32 bytes) a k step
+    ldmatrix_x4(aq, q_a_lane + 32 * s);
 #pragma unroll
     for (int h = 0; h < 4; ++h) {  // a0: (g, 2t) a1: (g+8, 2t) a2: (g, 2t+8) a3: (g+8, 2t+8)
-      const int row = 16 * I + g + (h & 1) * 8;
-      const int col = 16 * s + 2 * t + (h >> 1) * 8;
-      const float2 gg = *reinterpret_cast<const float2*>(sG + row * ldf + col);
+      const float2 gg = *reinterpret_cast<const float2*>(ga + (h & 1) * 8 * ldf + (h >> 1) * 8);
       const float2 gr = grs[h >> 1];
       const DecayPair<kF16> e(fast_exp2(gg.x - gr.x), fast_exp2(gg.y - gr.y));
-      ak[h] = e.apply(sK + row * ldh + col);
-      aq[h] = e.apply(sQ + row * ldh + col);
+      ak[h] = e.apply(ak[h]);
+      aq[h] = e.apply(aq[h]);
     }
 #pragma unroll
     for (int jb = 0; jb < 2; ++jb) {
       if (jb == 1 && !two) break;
+      uint32_t kj[4];  // block J0 + jb's k pairs, before the decay
+      ldmatrix_x4(kj, k_b_lane + (16 * jb * ldh + 16 * s) * 2);
       uint32_t bk[2][2];
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {  // b0: k rows 2t, 2t+1; b1: 2t+8, 2t+9; n col g
-          const int row = 16 * (J0 + jb) + 8 * nt + g;
-          const int col = 16 * s + 2 * t + 8 * h;
-          const float2 gg = *reinterpret_cast<const float2*>(sG + row * ldf + col);
+          const float2 gg = *reinterpret_cast<const float2*>(gb + (16 * jb + 8 * nt) * ldf + 8 * h);
           const float2 gr = grs[h];
-          bk[nt][h] =
-              DecayPair<kF16>(fast_exp2(gr.x - gg.x), fast_exp2(gr.y - gg.y)).apply(sK + row * ldh + col);
+          bk[nt][h] = DecayPair<kF16>(fast_exp2(gr.x - gg.x), fast_exp2(gr.y - gg.y)).apply(kj[2 * nt + h]);
         }
       }
 #pragma unroll
@@ -391,8 +486,8 @@ __device__ inline void lk_row_blocks(const uint16_t* sQ, const uint16_t* sK, con
     }
   }
   const float2 b = lk_row_b(sB, I, lane);  // one read for both blocks
-  store_lk_block<D>(accL[0], accM[0], b, sL, mqk, scale, I, J0, lane);
-  if (two) store_lk_block<D>(accL[1], accM[1], b, sL, mqk, scale, I, J0 + 1, lane);
+  store_lk_offdiag<D>(accL[0], accM[0], b, sL, mqk, scale, I, J0, lane);
+  if (two) store_lk_offdiag<D>(accL[1], accM[1], b, sL, mqk, scale, I, J0 + 1, lane);
 }
 
 // Diagonal block I summed pairwise with 2^(G_i - G_j) <= 1: safe for any decay (slow path).
@@ -685,38 +780,55 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     const char* kp = reinterpret_cast<const char*>(a.k + batch * a.k_sb + col);
     const char* gp = static_cast<const char*>(a.g) + (batch * a.g_sb + col) * gsz;
     const int64_t qst = a.q_st * 2, kst = a.k_st * 2, gst = a.g_st * gsz;
-    uint16_t* sq = sQ + rbase * ldh + c8;
-    uint16_t* sk = sK + rbase * ldh + c8;
-    float* sg = sG + rbase * ldf + c8;
-    uint16_t* sgr = sGraw + rbase * D + c8;
-    auto stage_row = [&](int pass, int64_t tok) {
-      cp_async_16(sq + pass * RPP * ldh, qp + tok * qst);
-      cp_async_16(sk + pass * RPP * ldh, kp + tok * kst);
-      if (a.g_fp32) {
-        cp_async_16(sg + pass * RPP * ldf, gp + tok * gst);
-        cp_async_16(sg + pass * RPP * ldf + 4, gp + tok * gst + 16);
+    // The thread's shared-memory destinations as 32-bit addresses, converted once (k's sits at a fixed
+    // distance from q's), and each copy predicated rather than branched around: per-copy pointer
+    // conversions re-read the CTA's shared window and the per-pass branches split the run of copies.
+    // g's element type is a template argument (kG32), so that no copy of the other type issues
+    // predicated off (together ~50 instructions a warp).
+    const uint32_t sq = smem_addr(sQ + rbase * ldh + c8);
+    const uint32_t sg = smem_addr(sG + rbase * ldf + c8), sgr = smem_addr(sGraw + rbase * D + c8);
+    auto stage_row = [&](auto g32, int pass, int64_t tok, bool in) {
+      constexpr bool kG32 = decltype(g32)::value;
+      const char* g = gp + tok * gst;
+      cp_async_16_shared_if(in, sq + pass * RPP * ldh * 2, qp + tok * qst);
+      cp_async_16_shared_if(in, sq + (SM::kK - SM::kQ) + pass * RPP * ldh * 2, kp + tok * kst);
+      if constexpr (kG32) {
+        cp_async_16_shared_if(in, sg + pass * RPP * ldf * 4, g);
+        cp_async_16_shared_if(in, sg + pass * RPP * ldf * 4 + 16, g + 16);
       } else {
-        cp_async_16(sgr + pass * RPP * D, gp + tok * gst);
+        cp_async_16_shared_if(in, sgr + pass * RPP * D * 2, g);
       }
     };
     if (a.token_rows == nullptr) {
       const int64_t row0 = ch.tok0 + static_cast<uint32_t>(rbase);  // < T + RPP < 2^32
       qp += row0 * qst, kp += row0 * kst;
       gp += row0 * gst;
+      auto passes = [&](auto g32) {
 #pragma unroll
-      for (int pass = 0; pass < PASSES; ++pass) {
-        if (rbase + pass * RPP < rows) stage_row(pass, 0);
-        qp += RPP * qst, kp += RPP * kst, gp += RPP * gst;
+        for (int pass = 0; pass < PASSES; ++pass) {
+          stage_row(g32, pass, 0, rbase + pass * RPP < rows);
+          qp += RPP * qst, kp += RPP * kst, gp += RPP * gst;
+        }
+      };
+      if (a.g_fp32) {
+        passes(std::true_type{});
+      } else {
+        passes(std::false_type{});
       }
-      cp_async_commit();
     } else {
 #pragma unroll 1
       for (int pass = 0; pass < PASSES; ++pass) {
         const int r = rbase + pass * RPP;
-        if (r < rows) stage_row(pass, mapped_row(a, tok0 + r));
+        if (r >= rows) continue;
+        const int64_t tok = mapped_row(a, tok0 + r);
+        if (a.g_fp32) {
+          stage_row(std::true_type{}, pass, tok, true);
+        } else {
+          stage_row(std::false_type{}, pass, tok, true);
+        }
       }
-      cp_async_commit();
     }
+    cp_async_commit();
   } else {
 #pragma unroll 1
     for (int pass = 0; pass < PASSES; ++pass) {
@@ -854,12 +966,22 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   float* rGamma = reinterpret_cast<float*>(rec + ChunkRecord<D>::kGamma);
   // KD and MQK are stored in fp16 with power-of-two shifts: |KD| <= max|k| and
   // |MQK| <= scale |q_i| |k_j| (every decay factor is <= 1), so these bounds never overflow.
-  const int shift_d = pow2_shift(__int_as_float(sMax[1]), 0);
-  const int shift_m = pow2_shift(scale * sqrtf(__int_as_float(sMax[3])) * sqrtf(__int_as_float(sMax[4])), 14);
-  const float mqk_scale = scale * pow2i(-shift_m);
-  if (tid == 0) {
-    reinterpret_cast<int*>(rec + ChunkRecord<D>::kShifts)[1] = shift_m;
-    reinterpret_cast<int*>(rec + ChunkRecord<D>::kShifts)[2] = shift_d;
+  // The shifts are formed by one warp, the last (it holds no gamma column at either D), and published in
+  // sMax[5] and sMax[6] by the barrier below: every warp forming them took two IEEE square roots (with
+  // their slow-path branches) and both shifts, ~40 instructions a warp.
+  constexpr int kShiftWarp = kPrepareThreads / 32 - 1;
+  static_assert(kShiftWarp * 32 >= D, "the shift warp holds no gamma column");
+  static_assert(SM::kEnd - SM::kMax >= 7 * 4, "sMax holds the shifts at 5 and 6");
+  if (warp == kShiftWarp) {
+    const int shift_d = pow2_shift(__int_as_float(sMax[1]), 0);
+    const int shift_m =
+        pow2_shift(scale * sqrtf(__int_as_float(sMax[3])) * sqrtf(__int_as_float(sMax[4])), 14);
+    if (lane == 0) {
+      reinterpret_cast<int*>(rec + ChunkRecord<D>::kShifts)[1] = shift_m;
+      reinterpret_cast<int*>(rec + ChunkRecord<D>::kShifts)[2] = shift_d;
+      sMax[5] = shift_m;
+      sMax[6] = shift_d;
+    }
   }
   int over = 0;
   if (tid < D) {
@@ -871,13 +993,19 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
               (gm - sG[(16 * I + 15) * ldf + tid] > kMaxHalfSpanLog2);
     }
   }
-  // Upper blocks of MQK are zero (the state pass multiplies the whole 64x64 tile).
-  for (int e = tid; e < kChunk * kChunk / 8; e += kPrepareThreads) {
-    const int i = e / (kChunk / 8), j = (e % (kChunk / 8)) * 8;
-    if ((j / 16) > (i / 16))
-      *reinterpret_cast<uint4*>(record_element(sMQK, i, j)) = make_uint4(0u, 0u, 0u, 0u);
+  // Upper blocks of MQK are zero (the state pass multiplies the whole 64x64 tile).  Warp w < 6 zeroes the
+  // w-th upper block (I, J) in row-major order, lane l its 16-byte piece (row l % 16, column half l / 16):
+  // one store a thread where a strided loop over all pieces testing each took ~60 instructions a warp.
+  // A quarter warp stores one column piece of 8 consecutive rows: distinct banks in the SW128 image.
+  static_assert((kChunk / kSub) * (kChunk / kSub - 1) / 2 == 6 && kSub * kSub / 8 == 32,
+                "one upper block a warp, one 16-byte piece a lane");
+  if (warp < 6) {
+    const int I = warp < 3 ? 0 : (warp < 5 ? 1 : 2), J = warp < 3 ? warp + 1 : (warp < 5 ? warp - 1 : 3);
+    *reinterpret_cast<uint4*>(record_element(sMQK, kSub * I + (lane & 15), kSub * J + 8 * (lane >> 4))) =
+        make_uint4(0u, 0u, 0u, 0u);
   }
   const bool pairwise_diag = __syncthreads_or(over) != 0;
+  const float mqk_scale = scale * pow2i(-sMax[5]);  // MQK's scale with its shift
 
   // ---- 3. L and MQK blocks, and the diagonal blocks of T_inv ----------------------------------------
   {
@@ -936,13 +1064,19 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     // KT = k 2^G (bf16: the walk's B operand of S KT^T) shares QT's exponential.
     float gl[8];  // G of the chunk's last row
     load8_f32(sG + (kChunk - 1) * ldf + qc8, gl);
+    const int shift_d = sMax[6];  // formed in phase 2
 #pragma unroll
     for (int i = 0; i < 8; ++i) gl[i] -= static_cast<float>(shift_d);  // 2^-shift_d of KD, in the exponent
+    // Rows r0 + k kQtRowStep: kFull of them for every thread, one more for r0 < kChunk % kQtRowStep
+    // (warps 3-4 at D = 128, warp 3 at D = 64).  Trip counts known at compile time: the loop over
+    // r < kChunk had the compiler derive each warp's count (a division by the step) and test it for
+    // an odd one, ~20 instructions a warp.
+    constexpr int kFull = kChunk / kQtRowStep;
+    const int r0 = qu / TPR;
     // q / k dtype as a template argument: one conversion path in the loop, not both predicated.
     auto qt_kd_passes = [&](auto f16) {
       constexpr bool kF16 = decltype(f16)::value;
-#pragma unroll 2
-      for (int r = qu / TPR; r < kChunk; r += kQtRowStep) {
+      auto row = [&](int r) {
         float xq[8], xk[8], xd[8], xg[8];
         load8_qk(sQ + r * ldh + qc8, kF16, xq);
         load8_qk(sK + r * ldh + qc8, kF16, xk);
@@ -958,7 +1092,10 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
         store8_bf16(record_element(rQT, r, qc8), xq);
         *reinterpret_cast<uint4*>(record_element(rKD, r, qc8)) = pack8_f16(xd);
         store8_bf16(record_element(rKT, r, qc8), xk);
-      }
+      };
+#pragma unroll 2
+      for (int k = 0; k < kFull; ++k) row(r0 + k * kQtRowStep);
+      if (r0 < kChunk % kQtRowStep) row(r0 + kFull * kQtRowStep);
     };
     if (qk16) {
       qt_kd_passes(std::true_type{});
@@ -979,7 +1116,9 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   constexpr int kTbRows = kChunk * kChunk / 4 / kPrepareThreads;
   static_assert(kTbRows == 4 && kChunk / 4 == 16, "4 rows of 4 columns a thread, 16 threads a row");
   const int tid5 = thread_index_here();  // not tid (thread_index_here says why)
-  const int tb_rg = tid5 / 16, tb_c4 = (tid5 % 16) * 4, tb_cb = tb_c4 / 16;  // tb_cb: column block
+  // >> and &: tid5 is not known to be non-negative, and a signed / 16, % 16 took 5 instructions (and kept
+  // tb_c4 < 64 from folding the column half out of record_element below)
+  const int tb_rg = tid5 >> 4, tb_c4 = (tid5 & 15) * 4, tb_cb = tb_c4 / 16;  // tb_cb: column block
   float4 tbv[kTbRows];
   {
     const float4 bj = *reinterpret_cast<const float4*>(sB + tb_c4);

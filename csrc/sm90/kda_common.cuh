@@ -360,6 +360,19 @@ __device__ inline void cp_async_16_shared(uint32_t smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem) : "memory");
 }
 
+// cp_async_16_shared when `p`, as one predicated copy: a run of conditional copies without a branch
+// around each.
+__device__ inline void cp_async_16_shared_if(bool p, uint32_t smem, const void* gmem) {
+  asm volatile(
+      "{\n"
+      " .reg .pred p;\n"
+      " setp.ne.b32 p, %2, 0;\n"
+      " @p cp.async.cg.shared.global [%0], [%1], 16;\n"
+      "}\n" ::"r"(smem),
+      "l"(gmem), "r"(static_cast<int>(p))
+      : "memory");
+}
+
 // cp.async of kBytes from global to shared memory (16: .cg, cached in L2 only; 8, 4: .ca).  The
 // memory clobbers keep the compiler from moving shared-memory accesses across the copy, the commit or
 // the wait.

@@ -29,10 +29,11 @@ FLASHKDA_HOST_DEVICE int sw128_offset(int r, int c8) {
   return sw128_offset_rows(R, r, c8);
 }
 
-// Element offset of the 16-bit element (r, col) in a SW128 tile of R rows.
+// Element offset of the 16-bit element (r, col) in a SW128 tile of R rows.  The byte offset is
+// non-negative, so >> 1 halves it: a signed / 2 compiles to a rounding add and a shift.
 template <int R>
 FLASHKDA_HOST_DEVICE int sw128_element(int r, int col) {
-  return sw128_offset<R>(r, col & ~7) / 2 + (col & 7);
+  return (sw128_offset<R>(r, col & ~7) >> 1) + (col & 7);
 }
 
 }  // namespace sm90

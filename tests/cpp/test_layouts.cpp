@@ -93,6 +93,25 @@ TEST(SharedMemoryLayout, RecordTilesAreSw128Images) {
   }
 }
 
+TEST(SharedMemoryLayout, MqkFragmentPairs) {
+  // chunk_prepare stores an MQK block's fragment pairs (rows 16 I + g + 8 hh, columns 16 J + 8 nt + 2 t,
+  // + 1) from one element offset e (MqkPairs, kda_chunk_prepare.cuh): column + 8 is e ^ 8, row + 8 is
+  // e + 8 x 64, and the pair's second element is e + 1.
+  for (int I = 0; I < 4; ++I) {
+    for (int J = 0; J <= I; ++J) {
+      for (int lane = 0; lane < 32; ++lane) {
+        const int r = 16 * I + lane / 4, c = 16 * J + 2 * (lane % 4);
+        const int e = flashkda::sm90::sw128_element<64>(r, c);
+        EXPECT_EQ(flashkda::sm90::sw128_element<64>(r, c + 1), e + 1) << "row " << r << " column " << c;
+        EXPECT_EQ(flashkda::sm90::sw128_element<64>(r, c + 8), e ^ 8) << "row " << r << " column " << c;
+        EXPECT_EQ(flashkda::sm90::sw128_element<64>(r + 8, c), e + 8 * 64) << "row " << r << " column " << c;
+        EXPECT_EQ(flashkda::sm90::sw128_element<64>(r + 8, c + 8), (e ^ 8) + 8 * 64)
+            << "row " << r << " column " << c;
+      }
+    }
+  }
+}
+
 TEST(SharedMemoryLayout, Sw128KStepsStayInsideTheAtom) {
   // A K-major k16 step advances the descriptor's start by 32 bytes (ks < 4 inside a half): the
   // hardware then swizzles start + row * 128 + piece * 16, which must be where the loader put the
