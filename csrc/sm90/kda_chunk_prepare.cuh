@@ -621,10 +621,10 @@ __device__ inline int clamped_cu(const PrefillArgs& a, uint32_t i, int k = 0) {
   return static_cast<uint64_t>(v) <= static_cast<uint64_t>(a.T) ? static_cast<int>(v) : (v < 0 ? 0 : a.T);
 }
 
-// The chunk of a block, as slot_to_chunk and sequence_span give it, in 32 bits: B, T and N are below
-// 2^31 (check_cuda_sizes) and the grid's slots too (a grid dimension), so every token index, slot and
-// length below fits an unsigned int and no 64-bit division is needed (values clamped into [0, T] are
-// non-negative, so / kChunk is a shift).
+// The chunk of a block: slot s holds chunk s - slot0 of sequence n (sequence_span's slot0), in 32
+// bits: B, T and N are below 2^31 (check_cuda_sizes) and the grid's slots too (a grid dimension), so
+// every token index, slot and length below fits an unsigned int and no 64-bit division is needed
+// (values clamped into [0, T] are non-negative, so / kChunk is a shift).
 struct PrepareChunk {
   uint32_t n;      // sequence
   uint32_t batch;  // batch row of the tokens
@@ -632,8 +632,8 @@ struct PrepareChunk {
   int rows;        // tokens of the chunk, 1..kChunk
 };
 
-// slot_to_chunk by the whole block: the sequence of a slot is the number of sequences whose first
-// slot is <= it, minus one (first slots increase for valid cu_seqlens; invalid ones are flagged by
+// The chunk of a slot, by the whole block: the sequence of a slot is the number of sequences whose
+// first slot is <= it, minus one (first slots increase for valid cu_seqlens; invalid ones are flagged by
 // validate_device_inputs and the state pass then writes nothing).  One parallel round of loads
 // instead of a chain of log2(N) dependent ones at every block's start.  Returns false for an unused
 // slot.  Block-uniform (barriers inside).

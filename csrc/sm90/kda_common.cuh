@@ -135,37 +135,6 @@ __device__ inline SeqSpan sequence_span(const PrefillArgs& a, int64_t n) {
   return s;
 }
 
-// The sequence and chunk of a slot; returns false for an unused slot.
-__device__ inline bool slot_to_chunk(const PrefillArgs& a, int64_t slot, int64_t* n_out, int64_t* c_out) {
-  int64_t n;
-  if (a.cu_seqlens) {
-    // Largest n in [0, N) with slot_base(n) <= slot (slot_base is increasing for valid input).
-    int64_t lo = 0, hi = a.N - 1;
-    if (a.N <= 0) return false;
-    while (lo < hi) {
-      int64_t mid = (lo + hi + 1) / 2;
-      int64_t cu = load_index(a.cu_seqlens, a.cu_int64, mid);
-      cu = cu < 0 ? 0 : (cu > a.T ? a.T : cu);
-      if (cu / kChunk + mid <= slot)
-        lo = mid;
-      else
-        hi = mid - 1;
-    }
-    n = lo;
-  } else {
-    const int64_t per = (a.T + kChunk - 1) / kChunk;
-    if (per == 0) return false;
-    n = slot / per;
-    if (n >= a.B) return false;
-  }
-  const SeqSpan s = sequence_span(a, n);
-  const int64_t c = slot - s.slot0;
-  if (c < 0 || c * kChunk >= s.len) return false;
-  *n_out = n;
-  *c_out = c;
-  return true;
-}
-
 // Context parallelism: the number of segments of a sequence of `len` tokens (at least one, so an
 // empty sequence still copies its initial state to its final state), and the workspace slot of its
 // segment s.  Slots are floor(first global token / segment tokens) + n + s: distinct across
