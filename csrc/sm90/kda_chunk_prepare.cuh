@@ -420,15 +420,16 @@ __device__ inline void mma_factor(float (&d)[4], const uint32_t (&a)[4], uint32_
   }
 }
 
-// Off-diagonal blocks (I, J0) and, when `two`, (I, J0 + 1) of L and MQK on tensor cores, factorised
+// Off-diagonal blocks (I, J0) and, when kTwo, (I, J0 + 1) of L and MQK on tensor cores, factorised
 // around the row before block I (ref = 16 I - 1): A = k_i 2^(G_i - G_ref) (and q), B = k_j
 // 2^(G_ref - G_j), both <= 1 for any gate.  A depends on I alone, so a warp that owns two blocks of
-// a row block forms each A fragment once and uses it for both (`two` is warp-uniform).  The q / k
-// fragments come by ldmatrix.x4 (one a tensor for A, one a block for B) rather than 4-byte LDS each;
-// the decay factors are applied to the loaded registers exactly as before.
-template <int D, bool kF16>
+// a row block forms each A fragment once and uses it for both (kTwo).  The q / k fragments come by
+// ldmatrix.x4 (one a tensor for A, one a block for B) rather than 4-byte LDS each; the decay factors are
+// applied to the loaded registers exactly as before.  kTwo is a template argument: as a runtime flag
+// its test in every k step cost a branch, two WARPSYNC and a NOP a step (~100 instructions a chunk-head).
+template <int D, bool kF16, bool kTwo>
 __device__ inline void lk_row_blocks(const uint16_t* sQ, const uint16_t* sK, const float* sG, const float* sB,
-                                     float* sL, bf16* mqk, float scale, int I, int J0, bool two, int lane) {
+                                     float* sL, bf16* mqk, float scale, int I, int J0, int lane) {
   constexpr int ldf = PrepareSmem<D>::kLdF, ldh = PrepareSmem<D>::kLdH;
   const int g = lane >> 2, t = lane & 3;
   float accL[2][2][4] = {}, accM[2][2][4] = {};
@@ -465,7 +466,7 @@ __device__ inline void lk_row_blocks(const uint16_t* sQ, const uint16_t* sK, con
     }
 #pragma unroll
     for (int jb = 0; jb < 2; ++jb) {
-      if (jb == 1 && !two) break;
+      if (jb == 1 && !kTwo) break;
       uint32_t kj[4];  // block J0 + jb's k pairs, before the decay
       ldmatrix_x4(kj, k_b_lane + (16 * jb * ldh + 16 * s) * 2);
       uint32_t bk[2][2];
@@ -487,7 +488,7 @@ __device__ inline void lk_row_blocks(const uint16_t* sQ, const uint16_t* sK, con
   }
   const float2 b = lk_row_b(sB, I, lane);  // one read for both blocks
   store_lk_offdiag<D>(accL[0], accM[0], b, sL, mqk, scale, I, J0, lane);
-  if (two) store_lk_offdiag<D>(accL[1], accM[1], b, sL, mqk, scale, I, J0 + 1, lane);
+  if (kTwo) store_lk_offdiag<D>(accL[1], accM[1], b, sL, mqk, scale, I, J0 + 1, lane);
 }
 
 // Diagonal block I summed pairwise with 2^(G_i - G_j) <= 1: safe for any decay (slow path).
@@ -526,6 +527,19 @@ __device__ inline void lk_block_pairwise(const uint16_t* sQ, const uint16_t* sK,
   }
 }
 
+// v - l t when i >= cc, else v unchanged: one step of tinv_diag_block's row i of column cc, predicated
+// rather than selected.  The fma is the one `v -= l * t` contracts to under this build's flags (fmad on,
+// no ftz: FFMA, not FFMA.FTZ).  Rows i < cc keep their initial +0 (i != cc), which the select
+// `(i >= cc) ? v : 0.f` gave them, also for a non-finite L (the select discarded the NaN of inf * 0);
+// rows i >= cc run the same fma chain, so the values are those of the select form.  ptxas merges the
+// identical setp of a row into one compare, where the select took an FSEL a row (-56 a chunk-head).
+__device__ inline float fms_if_ge(float v, float l, float t, int i, int cc) {
+  asm("{\n .reg .pred p;\n setp.ge.s32 p, %1, %2;\n @p fma.rn.f32 %0, %3, %4, %0;\n}"
+      : "+f"(v)
+      : "r"(i), "r"(cc), "f"(-l), "f"(t));
+  return v;
+}
+
 // Diagonal block I of T_inv = (I + L)^-1 by forward substitution, one column per lane (lanes 0-15),
 // into registers: run by the warp that wrote L_II, right after it (L_II is warp-private until the
 // block barrier), so the substitution overlaps the off-diagonal L blocks of the other warps.  The
@@ -545,10 +559,10 @@ __device__ inline void tinv_diag_block(const float* sL, float (&tcol)[16], int I
       const float4 x = row[q];
       l[4 * q] = x.x, l[4 * q + 1] = x.y, l[4 * q + 2] = x.z, l[4 * q + 3] = x.w;
     }
-    float v = (i == cc) ? 1.f : 0.f;
+    float v = (i == cc) ? 1.f : 0.f;  // rows above the column's diagonal (i < cc) stay 0
 #pragma unroll
-    for (int j = 0; j < i; ++j) v -= l[j] * tcol[j];
-    tcol[i] = (i >= cc) ? v : 0.f;
+    for (int j = 0; j < i; ++j) v = fms_if_ge(v, l[j], tcol[j], i, cc);
+    tcol[i] = v;
   }
 }
 
@@ -1014,23 +1028,31 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     // shared, a warp of two blocks issues about as much as a diagonal one.
     auto blocks = [&](auto f16) {
       constexpr bool kF16 = decltype(f16)::value;
-      if (warp < 4) {
+      // The warp index as lane 0's: the same value, but ptxas then knows the branches below are
+      // warp-uniform and drops the WARPSYNC it put before the mma of every off-diagonal loop trip
+      // (it cannot tell that tid >> 5 is).  One SHFL a warp.
+      const int wu = __shfl_sync(0xffffffffu, warp, 0);
+      if (wu < 4) {
         if (!pairwise_diag) {
-          lk_block_diag_tf32<D, kF16>(sQ, sK, sG, sB, sL, sMQK, mqk_scale, warp, lane);
+          lk_block_diag_tf32<D, kF16>(sQ, sK, sG, sB, sL, sMQK, mqk_scale, wu, lane);
         } else {
-          lk_block_pairwise<D>(sQ, sK, kF16, sG, sB, sL, sMQK, mqk_scale, warp, lane);
+          lk_block_pairwise<D>(sQ, sK, kF16, sG, sB, sL, sMQK, mqk_scale, wu, lane);
         }
         __syncwarp();
         if (lane < 16) {
-          float tcol[16];  // column `lane` of T_inv's diagonal block `warp`
-          tinv_diag_block<D>(sL, tcol, warp, lane);
+          float tcol[16];  // column `lane` of T_inv's diagonal block `wu`
+          tinv_diag_block<D>(sL, tcol, wu, lane);
 #pragma unroll
-          for (int i = 0; i < 16; ++i) sTi[(16 * warp + i) * ldt + 16 * warp + lane] = tcol[i];
+          for (int i = 0; i < 16; ++i) sTi[(16 * wu + i) * ldt + 16 * wu + lane] = tcol[i];
         }
       } else {
-        const int q = warp - 4;  // (I, J0, two): (3,0,1) (2,0,1) (3,2,0) (1,0,0)
-        const int I = q == 0 ? 3 : (q == 1 ? 2 : (q == 2 ? 3 : 1));
-        lk_row_blocks<D, kF16>(sQ, sK, sG, sB, sL, sMQK, mqk_scale, I, q == 2 ? 2 : 0, q < 2, lane);
+        const int q = wu - 4;  // (I, J0, two): (3,0,1) (2,0,1) (3,2,0) (1,0,0), by arithmetic, not selects
+        if (q < 2) {
+          lk_row_blocks<D, kF16, true>(sQ, sK, sG, sB, sL, sMQK, mqk_scale, 3 - q, 0, lane);
+        } else {
+          const int I = 7 - 2 * q;  // one block (I, I - 1)
+          lk_row_blocks<D, kF16, false>(sQ, sK, sG, sB, sL, sMQK, mqk_scale, I, I - 1, lane);
+        }
       }
     };
     if (qk16) {
