@@ -205,8 +205,8 @@ __device__ inline void load8_f32(const float* p, float (&x)[8]) {
 // bf16 (raw), chosen per call.
 __device__ inline float2 qk2_float2(uint32_t u, bool fp16) {
   if (fp16) return __half22float2(*reinterpret_cast<const __half2*>(&u));
-  // bf16 is the high half of an fp32: one shift or mask per element, as load8_qk (the intrinsic's high
-  // half took a PRMT and a shift)
+  // bf16 is the high half of an fp32: one shift or mask per element (the intrinsic's high half took a
+  // PRMT and a shift)
   return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
 }
 
@@ -220,12 +220,7 @@ __device__ inline void load8_qk(const uint16_t* p, bool fp16, float (&x)[8]) {
   const uint32_t w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    float2 f;
-    if (fp16) {
-      f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
-    } else {  // one shift or mask per element (the intrinsic's high half took a PRMT and a shift)
-      f = make_float2(__uint_as_float(w[i] << 16), __uint_as_float(w[i] & 0xffff0000u));
-    }
+    const float2 f = qk2_float2(w[i], fp16);
     x[2 * i] = f.x;
     x[2 * i + 1] = f.y;
   }
