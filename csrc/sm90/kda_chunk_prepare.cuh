@@ -825,16 +825,20 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
         passes(std::false_type{});
       }
     } else {
+      // Row map: one row index load a pass, so the passes stay a loop (rows grow with pass: the first
+      // row past the chunk ends it).  g's type is dispatched once, as in the contiguous case.
+      auto mapped_passes = [&](auto g32) {
 #pragma unroll 1
-      for (int pass = 0; pass < PASSES; ++pass) {
-        const int r = rbase + pass * RPP;
-        if (r >= rows) continue;
-        const int64_t tok = mapped_row(a, tok0 + r);
-        if (a.g_fp32) {
-          stage_row(std::true_type{}, pass, tok, true);
-        } else {
-          stage_row(std::false_type{}, pass, tok, true);
+        for (int pass = 0; pass < PASSES; ++pass) {
+          const int r = rbase + pass * RPP;
+          if (r >= rows) break;
+          stage_row(g32, pass, mapped_row(a, tok0 + r), true);
         }
+      };
+      if (a.g_fp32) {
+        mapped_passes(std::true_type{});
+      } else {
+        mapped_passes(std::false_type{});
       }
     }
     cp_async_commit();
