@@ -170,12 +170,14 @@ def test_checkpoints_graph_replay(gen):
     assert torch.equal(ckpt, eager)
 
 
-def test_prefill_token_rows(gen):
-    """Logical tokens at scattered rows of a larger step: outputs land at those rows only."""
+@pytest.mark.parametrize("g_dtype", [BF16, torch.float32], ids=["g_bf16", "g_fp32"])
+def test_prefill_token_rows(gen, g_dtype):
+    """Logical tokens at scattered rows of a larger step: outputs land at those rows only.  Both g
+    element types: chunk_prepare stages the rows of a row map through one path per type."""
     lens = [70, 0, 33]
     T = sum(lens)
     R_rows = T + 29
-    inp = make_inputs(lens, H=4, D=128, device=DEV, generator=gen)
+    inp = make_inputs(lens, H=4, D=128, device=DEV, generator=gen, g_dtype=g_dtype)
     rows = torch.randperm(R_rows, generator=gen)[:T].to(DEV)
     big = {}
     for name in ("q", "k", "v", "g", "beta"):
