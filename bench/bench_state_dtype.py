@@ -1,4 +1,5 @@
-"""fp32 vs bf16 state in/out on the same prefill (issue 4: bf16 must be no slower), interleaved.
+"""fp32 vs bf16 state in/out on the same prefill (issue 4: bf16 must be no slower), interleaved, and
+the fp32 state-pool addressing against contiguous states (issue 6: no more costly).
 
 One median of CUDA-graph replays moves by ~0.5% between runs, the size of the difference in question,
 so the two dtypes are timed in alternation, ROUNDS times each, through the same op (flashkda.prefill)
@@ -58,12 +59,17 @@ def main():
         base = OursVariant(x, H, "fp32_state_prefill_op")
         out, ws = base.out, base.ws
         fns = {"fp32": base, "bf16": OursVariant(x, H, "bf16_state", out, ws),
-               "fp32_bf16vals": OursVariant(x, H, "fp32_state_bf16_values", out, ws)}
+               "fp32_bf16vals": OursVariant(x, H, "fp32_state_bf16_values", out, ws),
+               "pool": OursVariant(x, H, "pool", out, ws)}
         times = interleaved(fns, args.rounds, lambda fn: time_graph(fn, args.iters)[0])
         ratios = [b / f for f, b in zip(times["fp32"], times["bf16"])]
         row = {"case": name, "fp32_us": times["fp32"], "bf16_us": times["bf16"],
                "fp32_median_us": statistics.median(times["fp32"]), "bf16_median_us": statistics.median(times["bf16"]),
                "bf16_over_fp32_median": statistics.median(ratios), "rounds_bf16_faster": sum(q < 1 for q in ratios)}
+        # issue 6: prefill with pool addressing (fp32 pool of 4N rows, in place) costs no more than contiguous
+        pratios = [p / f for f, p in zip(times["fp32"], times["pool"])]
+        row.update(pool_us=times["pool"], pool_median_us=statistics.median(times["pool"]),
+                   pool_over_fp32_median=statistics.median(pratios), rounds_pool_faster=sum(q < 1 for q in pratios))
         row["fp32_bf16vals_us"] = times["fp32_bf16vals"]
         row["fp32_bf16vals_median_us"] = statistics.median(times["fp32_bf16vals"])
         row["kernel_us"] = interleaved_kernel_times(fns, args.iters)
@@ -85,6 +91,9 @@ def main():
               f"/{args.rounds} rounds  (fp32 {min(times['fp32']):.1f}-{max(times['fp32']):.1f}, "
               f"bf16 {min(times['bf16']):.1f}-{max(times['bf16']):.1f})", flush=True)
         print(f"    fp32 holding bf16 values: {row['fp32_bf16vals_median_us']:8.1f} us", flush=True)
+        print(f"    pool (fp32, in place): {row['pool_median_us']:8.1f} us  pool/fp32 median "
+              f"{row['pool_over_fp32_median']:.4f}  pool faster in {row['rounds_pool_faster']}/{args.rounds} rounds",
+              flush=True)
         for kname in row["kernel_us"]["fp32"]:
             print(f"    {kname:60s} " + "  ".join(f"{k} {row['kernel_us'][k].get(kname, float('nan')):8.1f}" for k in fns)
                   + " us", flush=True)
