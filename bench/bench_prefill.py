@@ -133,6 +133,13 @@ class OursVariant:
             pool = 0.1 * torch.randn(4 * N, H, D, D, device="cuda", generator=gen)
             idx = torch.randperm(4 * N, device="cuda", generator=gen)[:N].to(torch.int32)
             self.kw = dict(initial_state=pool, final_state=pool, state_indices=idx)
+        elif variant == "pool_identity":  # probe: a pool of exactly N rows in sequence order, in place
+            pool = x["h0"].clone()
+            idx = torch.arange(N, device="cuda", dtype=torch.int32)
+            self.kw = dict(initial_state=pool, final_state=pool, state_indices=idx)
+        elif variant == "fp32_inplace":  # probe: contiguous states updated in place, no indices
+            h = x["h0"].clone()
+            self.kw = dict(initial_state=h, final_state=h)
         elif variant == "checkpoints":  # 2 per sequence: mid-chunk and at the end
             lens = (x["cu64"][1:] - x["cu64"][:-1])
             offs = torch.stack([lens // 3, lens], dim=1).to(torch.int32).contiguous()

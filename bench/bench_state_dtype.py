@@ -45,6 +45,8 @@ def main():
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--entry-exit", action="store_true",
                     help="also time state_recurrence with the initial state only / the final state only, per dtype")
+    ap.add_argument("--pool-probe", action="store_true",
+                    help="also time a pool of N rows in order (pool_identity) and contiguous states in place")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to benchmark")
@@ -61,6 +63,9 @@ def main():
         fns = {"fp32": base, "bf16": OursVariant(x, H, "bf16_state", out, ws),
                "fp32_bf16vals": OursVariant(x, H, "fp32_state_bf16_values", out, ws),
                "pool": OursVariant(x, H, "pool", out, ws)}
+        if args.pool_probe:  # where a pool's cost comes from: the index path or the pool rows' placement
+            fns.update(pool_identity=OursVariant(x, H, "pool_identity", out, ws),
+                       fp32_inplace=OursVariant(x, H, "fp32_inplace", out, ws))
         times = interleaved(fns, args.rounds, lambda fn: time_graph(fn, args.iters)[0])
         ratios = [b / f for f, b in zip(times["fp32"], times["bf16"])]
         row = {"case": name, "fp32_us": times["fp32"], "bf16_us": times["bf16"],
@@ -91,6 +96,12 @@ def main():
               f"/{args.rounds} rounds  (fp32 {min(times['fp32']):.1f}-{max(times['fp32']):.1f}, "
               f"bf16 {min(times['bf16']):.1f}-{max(times['bf16']):.1f})", flush=True)
         print(f"    fp32 holding bf16 values: {row['fp32_bf16vals_median_us']:8.1f} us", flush=True)
+        for k in ("pool_identity", "fp32_inplace"):
+            if k in times:
+                row[k + "_us"] = times[k]
+                row[k + "_over_fp32_median"] = statistics.median(p / f for f, p in zip(times["fp32"], times[k]))
+                print(f"    {k}: {statistics.median(times[k]):8.1f} us  /fp32 median {row[k + '_over_fp32_median']:.4f}",
+                      flush=True)
         print(f"    pool (fp32, in place): {row['pool_median_us']:8.1f} us  pool/fp32 median "
               f"{row['pool_over_fp32_median']:.4f}  pool faster in {row['rounds_pool_faster']}/{args.rounds} rounds",
               flush=True)
