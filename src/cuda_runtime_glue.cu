@@ -227,6 +227,7 @@ Status run_prefill_cuda(const PrefillParams& p, const ProblemShape& shape, void*
   a.n_ckpt = ckpt ? static_cast<int>(shape.num_checkpoints) : 0;
   a.ckpt_state = ckpt ? static_cast<float*>(p.checkpoint_state.data) : nullptr;
 
+  a.walk_pdl = !env_is("FLASHKDA_PREFILL_PDL", "0");  // read on every call: a test runs both in one process
   const int sms = g_num_sms[p.q.device_index].load();
   const int64_t chunks_max = (shape.T + kChunkTokens - 1) / kChunkTokens;  // of the longest sequence
   const int64_t seg_chunks = ckpt ? 0 : segment_chunks(shape, chunks_max, sms);

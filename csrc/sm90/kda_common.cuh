@@ -81,6 +81,10 @@ struct PrefillArgs {
   // Whole walks only: blocks take (sequence, head) longest sequence first (set by the launch when
   // the grid is varlen, has 2 <= N <= the block's threads, and more blocks than SMs).
   int walk_longest_first;
+  // Host side only: launch the 8-warp whole walk after chunk_prepare with programmatic stream
+  // serialisation (default on; FLASHKDA_PREFILL_PDL=0 turns it off, a developer switch for A/B runs
+  // and the bit-identity test).
+  int walk_pdl;
 };
 
 // ---------------------------------------------------------------------------------------------

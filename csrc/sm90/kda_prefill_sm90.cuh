@@ -46,8 +46,25 @@ Status launch_recurrence(const PrefillArgs& args, int num_sms, cudaStream_t stre
   // each block two barriers and N loads at its start): varlen H96 walk 353.6 -> 294.0 us.
   a.walk_longest_first = kMode == RecurrenceMode::kWhole && a.cu_seqlens != nullptr && a.N > 1 &&
                          a.N <= 32 * NW && gx * grid.y * grid.z > num_sms;
-  kernel<<<grid, 32 * NW, SM::kBytes, stream>>>(a);
-  return cuda_status(cudaGetLastError(), "state_recurrence launch");
+  // The 8-warp whole walk (always more blocks than SMs: state_block_warps) follows chunk_prepare with
+  // programmatic stream serialisation: its blocks are placed and run their prologue (spans, longest-
+  // first ranking) while chunk_prepare's last wave drains, then wait for it (griddepcontrol.wait).
+  // Measured on an H100 (perf-notes v27): 16x64 H16 -4.5% a call (faster in 7 of 7 rounds), the large
+  // batched rows within +-0.5%; earlier versions that also reordered the walk's first copies or took
+  // the one-wave 4-warp walks and the segment maps along were slower there (v23, v24), so those launch
+  // plainly.
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(32 * NW);
+  cfg.dynamicSmemBytes = SM::kBytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed =
+      kMode == RecurrenceMode::kWhole && NW == 8 && a.walk_pdl;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cuda_status(cudaLaunchKernelEx(&cfg, kernel, a), "state_recurrence launch");
 }
 
 // Context parallelism: segment maps (4-warp blocks, two per SM), their scan, the segment walks.

@@ -28,6 +28,10 @@
 // Shared memory (D = 128, NW = 8): 2 stages x (KT, QT, KD 3 x 16 KB + MQK, Tb 2 x 8 KB + v rows 17 KB
 // + gamma, rounded to 1 KB) + 2 output tiles x 17 KB + 2 mbarriers + 1 KB alignment: 201 KB.
 //
+// Launch: the 8-warp whole walk follows chunk_prepare with programmatic stream serialisation
+// (kda_prefill_sm90.cuh): the prologue up to the spans and the pool row runs before
+// griddepcontrol.wait, the error word and everything that reads a record or writes after it.
+//
 // Block order (kWhole, varlen, more blocks than SMs): blocks take (sequence, head) longest sequence
 // first, head fastest (a.walk_longest_first), so that the longest walks start in the first wave and
 // not possibly in the last (varlen H96: walk 353.6 -> 294.0 us).
@@ -231,8 +235,6 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
   unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
   auto out_tile = [&](int c) { return reinterpret_cast<bf16*>(smem + SM::kOut + (c & 1) * SM::kOutTile); };
 
-  if (*reinterpret_cast<volatile int*>(a.error_word) != 0) return;  // bad indices: write nothing
-
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   int64_t n = kWhole ? blockIdx.x : blockIdx.x / a.max_segs;
@@ -275,6 +277,15 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
   }
   // Map blocks: rows [0, D) are L, rows [D, 2D) are A (no v term, identity start).
   const bool a_rows = kMap && v0 >= D;
+
+  // Everything above read call inputs only (indices are clamped where used).  A walk launched with
+  // programmatic stream serialisation (the 8-warp whole walk, launch_recurrence) may have started
+  // while chunk_prepare still runs: the wait returns once chunk_prepare has completed and its writes
+  // (records, error word) are visible, and every block passes it before it writes or exits, so the
+  // walk's completion still implies chunk_prepare's for the launches after it.  Without the launch
+  // attribute it returns at once.  (The segment passes return above without it: they launch plainly.)
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  if (*reinterpret_cast<volatile int*>(a.error_word) != 0) return;  // bad indices: write nothing
 
   if (srow < 0) {  // padded sequence: zero its output rows, touch no state
     if constexpr (!kMap) {

@@ -286,6 +286,46 @@ def test_deterministic(gen):
         assert torch.equal(out, results[0][0]) and torch.equal(fs, results[0][1])
 
 
+@pytest.mark.parametrize("case", ["8-warp walk", "pool with padding", "bad cu_seqlens"])
+def test_programmatic_walk_launch_matches_plain(gen, monkeypatch, case):
+    """The 8-warp whole walk follows chunk_prepare with programmatic stream serialisation (its prologue
+    may run while chunk_prepare's last blocks still write records); FLASHKDA_PREFILL_PDL=0 launches it
+    plainly.  Both must give the same bits, and a device error must still write nothing.  The grids
+    here have N H 2 > 132 blocks of 4 warps, so the 8-warp walk is the one chosen."""
+    lens, H = ([130, 64, 200, 1], 48) if case != "pool with padding" else ([40, 3, 130, 65], 40)
+    inp = make_inputs(lens, H=H, D=128, device=DEV, generator=gen)
+    extra, P = {}, None
+    if case == "pool with padding":
+        P = 7
+        inp["initial_state"] = (0.1 * torch.randn(P, H, 128, 128, generator=gen)).to(DEV)
+        extra = dict(state_indices=torch.tensor([5, -1, 0, 2], dtype=torch.int32, device=DEV))
+    if case == "bad cu_seqlens":
+        inp = dict(inp, cu_seqlens=torch.tensor([0, 200, 150, 394, 395], dtype=torch.int32, device=DEV))
+    results = []
+    for pdl in ("0", None):
+        if pdl is None:
+            monkeypatch.delenv("FLASHKDA_PREFILL_PDL", raising=False)
+        else:
+            monkeypatch.setenv("FLASHKDA_PREFILL_PDL", pdl)
+        out, fs = poisoned_outputs(inp, P=P)
+        ws = flashkda.new_workspace(inp["q"], inp["cu_seqlens"])
+        if P is not None:  # in place on the pool, as engines call it
+            fs.copy_(inp["initial_state"])
+            run(dict(inp, initial_state=fs), out, fs, workspace=ws, **extra)
+        else:
+            run(inp, out, fs, workspace=ws, **extra)
+        torch.cuda.synchronize()
+        results.append((out, fs, flashkda.read_device_error(ws)))
+    (o0, f0, e0), (o1, f1, e1) = results
+    if case == "bad cu_seqlens":
+        assert e0 == 1 and e1 == 1, (e0, e1)
+        assert torch.isnan(o1.float()).all() and torch.isnan(f1.float()).all(), "a device error must write nothing"
+        return
+    assert e0 == 0 and e1 == 0, (e0, e1)
+    assert torch.isfinite(o1.float()).all(), f"seed {seed_of(gen)}: out has NaN/Inf (unwritten?)"
+    assert torch.equal(o1, o0) and torch.equal(f1, f0), f"seed {seed_of(gen)}: programmatic and plain launches differ"
+
+
 def test_cuda_graph_replay(gen):
     lens_a, lens_b = [100, 0, 200, 33], [1, 250, 17, 65]  # same N and T, different boundaries
     inp = make_inputs(lens_a, H=4, D=128, device=DEV, generator=gen)
