@@ -166,6 +166,32 @@ __device__ inline bool starts_from_h0(const PrefillArgs& a, int64_t n) {
 }
 
 // State row of sequence n in the state tensors (pool addressing); negative = padding.
+// The same in two steps, so that the load's round trip overlaps other work: issue_state_row_load
+// loads the index's raw words (an asm load: the compiler widened an int32 index right after its load,
+// which stalled the warp there), state_row_resolve forms the row once the caller has passed an asm
+// barrier on the words (`asm volatile("" : "+r"(lo), "+r"(hi))`) placed after the work to overlap.
+__device__ inline void issue_state_row_load(const PrefillArgs& a, int64_t n, uint32_t* lo, uint32_t* hi) {
+  *lo = static_cast<uint32_t>(n);
+  *hi = static_cast<uint32_t>(static_cast<uint64_t>(n) >> 32);
+  if (!a.state_indices) return;
+  if (a.idx_int64) {
+    asm volatile("ld.global.v2.u32 {%0, %1}, [%2];"
+                 : "=r"(*lo), "=r"(*hi)
+                 : "l"(static_cast<const int64_t*>(a.state_indices) + n));
+  } else {
+    asm volatile("ld.global.u32 %0, [%1];"
+                 : "=r"(*lo)
+                 : "l"(static_cast<const int32_t*>(a.state_indices) + n));
+  }
+}
+
+__device__ inline int64_t state_row_resolve(const PrefillArgs& a, uint32_t lo, uint32_t hi) {
+  if (!a.state_indices) return static_cast<int64_t>((static_cast<uint64_t>(hi) << 32) | lo);
+  const int64_t r = a.idx_int64 ? static_cast<int64_t>((static_cast<uint64_t>(hi) << 32) | lo)
+                                : static_cast<int64_t>(static_cast<int32_t>(lo));
+  return (r >= a.pool_rows) ? -1 : r;  // as state_row
+}
+
 __device__ inline int64_t state_row(const PrefillArgs& a, int64_t n) {
   if (!a.state_indices) return n;
   const int64_t r = load_index(a.state_indices, a.idx_int64, n);

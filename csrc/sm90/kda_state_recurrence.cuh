@@ -29,8 +29,9 @@
 // + gamma, rounded to 1 KB) + 2 output tiles x 17 KB + 2 mbarriers + 1 KB alignment: 201 KB.
 //
 // Launch: the 8-warp whole walk follows chunk_prepare with programmatic stream serialisation
-// (kda_prefill_sm90.cuh): the prologue up to the spans and the pool row runs before
-// griddepcontrol.wait, the error word and everything that reads a record or writes after it.
+// (kda_prefill_sm90.cuh): the prologue up to the spans (and the pool row's load) runs before
+// griddepcontrol.wait; after it the first record and v-row copies are issued, then the error word and
+// the pool row are tested (their loads overlap the copies), then the state is read and the walk runs.
 //
 // Block order (kWhole, varlen, more blocks than SMs): blocks take (sequence, head) longest sequence
 // first, head fastest (a.walk_longest_first), so that the longest walks start in the first wave and
@@ -263,7 +264,9 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
   }
   const int v0 = blockIdx.z * SM::kVs;
   const SeqSpan sp = sequence_span(a, n);
-  const int64_t srow = state_row(a, n);
+  // The pool row is loaded here and resolved after the first copies are issued (below).
+  uint32_t srow_lo, srow_hi;
+  issue_state_row_load(a, n, &srow_lo, &srow_hi);
   const int nchunks = static_cast<int>((sp.len + kChunk - 1) / kChunk);
   // This block's chunks [c_begin, c_end).  The map of a sequence's last segment is never used.
   int c_begin = 0, c_end = nchunks;
@@ -285,24 +288,12 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
   // walk's completion still implies chunk_prepare's for the launches after it.  Without the launch
   // attribute it returns at once.  (The segment passes return above without it: they launch plainly.)
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  if (*reinterpret_cast<volatile int*>(a.error_word) != 0) return;  // bad indices: write nothing
 
-  if (srow < 0) {  // padded sequence: zero its output rows, touch no state
-    if constexpr (!kMap) {
-      constexpr int kVec = SM::kVs / 8;
-      const int64_t t0 = static_cast<int64_t>(c_begin) * kChunk;
-      const int64_t t1 = kWhole ? sp.len : min(sp.len, static_cast<int64_t>(c_end) * kChunk);
-      for (int64_t e = t0 * kVec + tid; e < t1 * kVec; e += kThreads) {
-        const int64_t tok = mapped_row(a, sp.bos + e / kVec);
-        bf16* o = a.out + sp.batch * a.out_sb + tok * a.out_st + h * D + v0 + (e % kVec) * 8;
-        for (int i = 0; i < 8; ++i) o[i] = __float2bfloat16_rn(0.f);
-      }
-    }
-    return;
-  }
-
-  // Start loading the first chunk before touching the state.  Stage k & 1 holds chunk c_begin + k; its
-  // mbarrier completes once per use, so use k waits for parity (k >> 1) & 1.
+  // Start loading the first chunk before touching the state, and before the error word and the pool
+  // row are tested: both are loads whose round trips then overlap the first record's instead of
+  // preceding it (a pool call's walk waited for its index before its first copy: perf-notes v27).  The
+  // copies read in-bounds memory whatever the indices (spans and slots are clamped).  Stage k & 1 holds
+  // chunk c_begin + k; its mbarrier completes once per use, so use k waits for parity (k >> 1) & 1.
   const char* rec_base = a.records + (sp.slot0 * a.H + h) * static_cast<int64_t>(ChunkRecord<D>::kBytes);
   const int64_t rec_stride = static_cast<int64_t>(a.H) * ChunkRecord<D>::kBytes;
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + SM::kBar);
@@ -317,6 +308,30 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
   if (!a_rows && c_begin < c_end) {
     copy_v_rows_async<D, NW, kMap>(a, sp, h, c_begin, smem, v0, tid);
     fill_v_rows<D, NW, kMap>(a, sp, h, c_begin, smem, v0, tid);
+  }
+
+  asm volatile("" : "+r"(srow_lo), "+r"(srow_hi));  // the pool row is consumed from here on
+  const int64_t srow = state_row_resolve(a, srow_lo, srow_hi);
+  const bool bad_indices = *reinterpret_cast<volatile int*>(a.error_word) != 0;
+  if (bad_indices || srow < 0) {  // block-uniform
+    // Copies into this block's shared memory must land before it exits: thread 0 (which initialised
+    // the mbarrier and issued the record copies) waits for them, every thread for its cp.async.
+    if (tid == 0 && c_begin < c_end) mbar_wait(&full[0], 0);
+    cp_async_wait<0>();
+  }
+  if (bad_indices) return;  // bad indices: write nothing
+  if (srow < 0) {           // padded sequence: zero its output rows, touch no state
+    if constexpr (!kMap) {
+      constexpr int kVec = SM::kVs / 8;
+      const int64_t t0 = static_cast<int64_t>(c_begin) * kChunk;
+      const int64_t t1 = kWhole ? sp.len : min(sp.len, static_cast<int64_t>(c_end) * kChunk);
+      for (int64_t e = t0 * kVec + tid; e < t1 * kVec; e += kThreads) {
+        const int64_t tok = mapped_row(a, sp.bos + e / kVec);
+        bf16* o = a.out + sp.batch * a.out_sb + tok * a.out_st + h * D + v0 + (e % kVec) * 8;
+        for (int i = 0; i < 8; ++i) o[i] = __float2bfloat16_rn(0.f);
+      }
+    }
+    return;
   }
 
   // State rows of this warp: r0 = v0 + 16 warp + g, r1 = r0 + 8; columns 8 j + 2 t (+1).
