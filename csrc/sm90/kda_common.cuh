@@ -166,7 +166,13 @@ __device__ inline bool starts_from_h0(const PrefillArgs& a, int64_t n) {
 }
 
 // State row of sequence n in the state tensors (pool addressing); negative = padding.
-// The same in two steps, so that the load's round trip overlaps other work: issue_state_row_load
+__device__ inline int64_t state_row(const PrefillArgs& a, int64_t n) {
+  if (!a.state_indices) return n;
+  const int64_t r = load_index(a.state_indices, a.idx_int64, n);
+  return (r >= a.pool_rows) ? -1 : r;  // out of range was flagged already; never dereference it
+}
+
+// state_row in two steps, so that the load's round trip overlaps other work: issue_state_row_load
 // loads the index's raw words (an asm load: the compiler widened an int32 index right after its load,
 // which stalled the warp there), state_row_resolve forms the row once the caller has passed an asm
 // barrier on the words (`asm volatile("" : "+r"(lo), "+r"(hi))`) placed after the work to overlap.
@@ -190,12 +196,6 @@ __device__ inline int64_t state_row_resolve(const PrefillArgs& a, uint32_t lo, u
   const int64_t r = a.idx_int64 ? static_cast<int64_t>((static_cast<uint64_t>(hi) << 32) | lo)
                                 : static_cast<int64_t>(static_cast<int32_t>(lo));
   return (r >= a.pool_rows) ? -1 : r;  // as state_row
-}
-
-__device__ inline int64_t state_row(const PrefillArgs& a, int64_t n) {
-  if (!a.state_indices) return n;
-  const int64_t r = load_index(a.state_indices, a.idx_int64, n);
-  return (r >= a.pool_rows) ? -1 : r;  // out of range was flagged already; never dereference it
 }
 
 // ---------------------------------------------------------------------------------------------
