@@ -137,6 +137,12 @@ class OursVariant:
             pool = x["h0"].clone()
             idx = torch.arange(N, device="cuda", dtype=torch.int32)
             self.kw = dict(initial_state=pool, final_state=pool, state_indices=idx)
+        elif variant == "pool_hist":  # the pool with has_initial_state (all True), as engines pass it
+            gen = torch.Generator(device="cuda").manual_seed(1)
+            pool = 0.1 * torch.randn(4 * N, H, D, D, device="cuda", generator=gen)
+            idx = torch.randperm(4 * N, device="cuda", generator=gen)[:N].to(torch.int32)
+            hist = torch.ones(N, dtype=torch.bool, device="cuda")
+            self.kw = dict(initial_state=pool, final_state=pool, state_indices=idx, has_initial_state=hist)
         elif variant == "fp32_inplace":  # probe: contiguous states updated in place, no indices
             h = x["h0"].clone()
             self.kw = dict(initial_state=h, final_state=h)

@@ -48,7 +48,8 @@ def main():
     ap.add_argument("--entry-exit", action="store_true",
                     help="also time state_recurrence with the initial state only / the final state only, per dtype")
     ap.add_argument("--pool-probe", action="store_true",
-                    help="also time a pool of N rows in order (pool_identity) and contiguous states in place")
+                    help="also time a pool of N rows in order (pool_identity), contiguous states in place and the "
+                         "pool with has_initial_state (pool_hist)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to benchmark")
@@ -67,7 +68,8 @@ def main():
                "pool": OursVariant(x, H, "pool", out, ws)}
         if args.pool_probe:  # where a pool's cost comes from: the index path or the pool rows' placement
             fns.update(pool_identity=OursVariant(x, H, "pool_identity", out, ws),
-                       fp32_inplace=OursVariant(x, H, "fp32_inplace", out, ws))
+                       fp32_inplace=OursVariant(x, H, "fp32_inplace", out, ws),
+                       pool_hist=OursVariant(x, H, "pool_hist", out, ws))
         times = interleaved(fns, args.rounds, lambda fn: time_graph(fn, args.iters)[0])
         ratios = [b / f for f, b in zip(times["fp32"], times["bf16"])]
         row = {"case": name, "fp32_us": times["fp32"], "bf16_us": times["bf16"],
@@ -98,7 +100,7 @@ def main():
               f"/{args.rounds} rounds  (fp32 {min(times['fp32']):.1f}-{max(times['fp32']):.1f}, "
               f"bf16 {min(times['bf16']):.1f}-{max(times['bf16']):.1f})", flush=True)
         print(f"    fp32 holding bf16 values: {row['fp32_bf16vals_median_us']:8.1f} us", flush=True)
-        for k in ("pool_identity", "fp32_inplace"):
+        for k in ("pool_identity", "fp32_inplace", "pool_hist"):
             if k in times:
                 row[k + "_us"] = times[k]
                 row[k + "_over_fp32_median"] = statistics.median(p / f for f, p in zip(times["fp32"], times[k]))
