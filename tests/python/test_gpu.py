@@ -326,10 +326,14 @@ def test_programmatic_walk_launch_matches_plain(gen, monkeypatch, case):
     assert torch.equal(o1, o0) and torch.equal(f1, f0), f"seed {seed_of(gen)}: programmatic and plain launches differ"
 
 
-def test_cuda_graph_replay(gen):
+@pytest.mark.parametrize("H", [4, 48], ids=["4-warp walk", "8-warp walk (programmatic launch)"])
+def test_cuda_graph_replay(gen, H):
+    """A captured call replays like an eager one when its inputs change in place.  At H = 48 the walk
+    is the 8-warp kind, launched programmatically after chunk_prepare: a programmatic edge in the graph;
+    each check replays the graph twice back to back first."""
     lens_a, lens_b = [100, 0, 200, 33], [1, 250, 17, 65]  # same N and T, different boundaries
-    inp = make_inputs(lens_a, H=4, D=128, device=DEV, generator=gen)
-    new = make_inputs(lens_b, H=4, D=128, device=DEV, generator=gen)
+    inp = make_inputs(lens_a, H=H, D=128, device=DEV, generator=gen)
+    new = make_inputs(lens_b, H=H, D=128, device=DEV, generator=gen)
     static = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
     out, fs = poisoned_outputs(inp)
     ws = flashkda.new_workspace(static["q"], static["cu_seqlens"])
@@ -348,6 +352,7 @@ def test_cuda_graph_replay(gen):
             static[name].copy_(src[name])
         out.fill_(float("nan"))
         fs.fill_(float("nan"))
+        graph.replay()
         graph.replay()
         eager_out, eager_fs = poisoned_outputs(src)
         torch.ops.flashkda.fwd(*args(src, eager_out, eager_fs))
