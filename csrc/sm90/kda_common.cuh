@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <string>
+#include <utility>
 
 #include "flashkda/flashkda.h"
 
@@ -497,6 +498,25 @@ __device__ inline float load_scalar(const void* p, int is_fp32, int64_t i) {
 inline Status cuda_status(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return Status::ok_status();
   return Status::cuda_error(std::string("flashkda: ") + what + ": " + cudaGetErrorString(e));
+}
+
+// Launches a kernel, with programmatic stream serialisation when `pdl` (its set-up before
+// griddepcontrol.wait overlaps the previous kernel's tail); the decode kernels and the prefill's
+// 8-warp walk.
+template <class... Params, class... Args>
+Status launch_maybe_programmatic(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, bool pdl,
+                                 cudaStream_t stream, const char* what, Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cuda_status(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...), what);
 }
 
 // Raises a kernel's dynamic shared memory limit once per device and process (the attribute sticks;

@@ -224,17 +224,8 @@ __device__ inline void write_decode_error_words(const DecodeArgs& a, int code) {
 template <class... Params, class... Args>
 Status launch_decode_grid(void (*kernel)(Params...), int64_t grid, int threads, size_t smem, bool pdl,
                           cudaStream_t stream, const char* what, Args&&... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(grid));
-  cfg.blockDim = dim3(threads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cuda_status(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...), what);
+  return launch_maybe_programmatic(kernel, dim3(static_cast<unsigned>(grid)), dim3(threads), smem, pdl,
+                                   stream, what, std::forward<Args>(args)...);
 }
 
 // Which decode kernel runs a call.  kAuto: for few requests (a chain of round trips, not a stream)

@@ -53,18 +53,9 @@ Status launch_recurrence(const PrefillArgs& args, int num_sms, cudaStream_t stre
   // batched rows within +-0.5%; earlier versions that also reordered the walk's first copies or took
   // the one-wave 4-warp walks and the segment maps along were slower there (v23, v24), so those launch
   // plainly.
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(32 * NW);
-  cfg.dynamicSmemBytes = SM::kBytes;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed =
-      kMode == RecurrenceMode::kWhole && NW == 8 && a.walk_pdl;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cuda_status(cudaLaunchKernelEx(&cfg, kernel, a), "state_recurrence launch");
+  const bool pdl = kMode == RecurrenceMode::kWhole && NW == 8 && a.walk_pdl;
+  return launch_maybe_programmatic(kernel, grid, dim3(32 * NW), SM::kBytes, pdl, stream,
+                                   "state_recurrence launch", a);
 }
 
 // Context parallelism: segment maps (4-warp blocks, two per SM), their scan, the segment walks.
