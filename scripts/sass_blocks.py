@@ -29,17 +29,23 @@ _INSN = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T\d]+\s+)?([A-Z0-9_]+(
 _TARGET = re.compile(r"`\((\.L_x_\d+)\)")
 
 
-def disassemble(path):
-    """nvdisasm -c text of a cubin, or the file itself when it is already text."""
+def text_or_tool_output(path, tool_name, env, args):
+    """The file itself when it is text, else (a cubin: an ELF file) what `tool_name args path` prints; the
+    tool is $env or tool_name on PATH.  Shared with scripts/sass_load_use.py."""
     with open(path, "rb") as f:
         head = f.read(4)
     if head != b"\x7fELF":
         with open(path) as f:
             return f.read()
-    tool = os.environ.get("NVDISASM") or shutil.which("nvdisasm")
+    tool = os.environ.get(env) or shutil.which(tool_name)
     if not tool:
-        raise SystemExit("nvdisasm not found (set NVDISASM)")
-    return subprocess.run([tool, "-c", path], check=True, capture_output=True, text=True).stdout
+        raise SystemExit(f"{tool_name} not found (set {env})")
+    return subprocess.run([tool, *args, path], check=True, capture_output=True, text=True).stdout
+
+
+def disassemble(path):
+    """nvdisasm -c text of a cubin, or the file itself when it is already text."""
+    return text_or_tool_output(path, "nvdisasm", "NVDISASM", ["-c"])
 
 
 def blocks_of(text, kernel):

@@ -20,9 +20,10 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
-import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sass_blocks import text_or_tool_output  # noqa: E402 (scripts/ is this script's own folder)
 
 _FUNC = re.compile(r"^\s*Function : (\S+)")
 _LOAD = re.compile(r"^(?:@!?U?P[T\d]+\s+)?(LDG\.E[\w.]*|LD\.E[\w.]*)\s+(R\d+)\s*,")
@@ -30,15 +31,8 @@ _OPCODE = re.compile(r"^(?:@!?U?P[T\d]+\s+)?([A-Z0-9_]+(?:\.[A-Z0-9_]+)*)\s*(.*?
 
 
 def sass_text(path):
-    with open(path, "rb") as f:
-        head = f.read(4)
-    if head != b"\x7fELF":
-        with open(path) as f:
-            return f.read()
-    tool = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump")
-    if not tool:
-        sys.exit("a cubin needs cuobjdump (CUOBJDUMP or PATH); or pass `cuobjdump -sass` text")
-    return subprocess.run([tool, "-sass", path], check=True, capture_output=True, text=True).stdout
+    """`cuobjdump -sass` text of a cubin, or the file itself when it is already text."""
+    return text_or_tool_output(path, "cuobjdump", "CUOBJDUMP", ["-sass"])
 
 
 def kernel_lines(text, name):
