@@ -25,13 +25,10 @@ device-to-device copy bandwidth measured in the same run (stream copies outside 
 from __future__ import annotations
 
 import argparse
-import datetime
 import inspect
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 
 import torch
@@ -238,16 +235,8 @@ def collect_meta(bw, fla_ok, args):
     if fla_ok:
         import fla
         fla_version = getattr(fla, "__version__", "unknown")
-    return {
-        "gpu": props.name, "sm_count": props.multi_processor_count,
-        "l2_bytes": getattr(props, "L2_cache_size", None),
-        "driver": subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True).stdout.strip(),
-        "cuda": torch.version.cuda, "torch": torch.__version__, "python": platform.python_version(),
-        "commit": bp.git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "copy_bandwidth_TBps": bw / 1e12, "fla": fla_version, "H": args.H, "D": D, "layout": args.layout,
-        "iters": args.iters, "lower_bound": LOWER_BOUND,
-    }
+    return dict(bp.run_meta(), l2_bytes=getattr(props, "L2_cache_size", None), copy_bandwidth_TBps=bw / 1e12,
+                fla=fla_version, H=args.H, D=D, layout=args.layout, iters=args.iters, lower_bound=LOWER_BOUND)
 
 
 def select_cases(spec):

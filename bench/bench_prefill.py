@@ -128,21 +128,17 @@ class OursVariant:
         elif variant == "fp32_state_bf16_values":  # control: fp32 tensors holding the bf16 variant's values
             h0 = x["h0"].bfloat16().float()
             self.kw = dict(initial_state=h0, final_state=torch.empty_like(h0))
-        elif variant == "pool":  # a pool of 4N rows, rows picked by a permutation, updated in place
+        elif variant in ("pool", "pool_hist"):  # a pool of 4N rows, rows picked by a permutation, in place
             gen = torch.Generator(device="cuda").manual_seed(1)
             pool = 0.1 * torch.randn(4 * N, H, D, D, device="cuda", generator=gen)
             idx = torch.randperm(4 * N, device="cuda", generator=gen)[:N].to(torch.int32)
             self.kw = dict(initial_state=pool, final_state=pool, state_indices=idx)
+            if variant == "pool_hist":  # with has_initial_state (all True), as engines pass it
+                self.kw["has_initial_state"] = torch.ones(N, dtype=torch.bool, device="cuda")
         elif variant == "pool_identity":  # probe: a pool of exactly N rows in sequence order, in place
             pool = x["h0"].clone()
             idx = torch.arange(N, device="cuda", dtype=torch.int32)
             self.kw = dict(initial_state=pool, final_state=pool, state_indices=idx)
-        elif variant == "pool_hist":  # the pool with has_initial_state (all True), as engines pass it
-            gen = torch.Generator(device="cuda").manual_seed(1)
-            pool = 0.1 * torch.randn(4 * N, H, D, D, device="cuda", generator=gen)
-            idx = torch.randperm(4 * N, device="cuda", generator=gen)[:N].to(torch.int32)
-            hist = torch.ones(N, dtype=torch.bool, device="cuda")
-            self.kw = dict(initial_state=pool, final_state=pool, state_indices=idx, has_initial_state=hist)
         elif variant == "fp32_inplace":  # probe: contiguous states updated in place, no indices
             h = x["h0"].clone()
             self.kw = dict(initial_state=h, final_state=h)
@@ -238,6 +234,18 @@ def numerics(have_fla):
     return res
 
 
+def run_meta():
+    """What every benchmark JSON records of its run: GPU, driver, CUDA, torch, Python, commit, UTC date."""
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "gpu": props.name, "sm_count": props.multi_processor_count,
+        "driver": subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True).stdout.strip(),
+        "cuda": torch.version.cuda, "torch": torch.__version__, "python": platform.python_version(),
+        "commit": git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
 def git_commit():
     if os.environ.get("FLASHKDA_COMMIT"):
         return os.environ["FLASHKDA_COMMIT"]
@@ -274,14 +282,7 @@ def main():
     props = torch.cuda.get_device_properties(0)
     bw = copy_bandwidth()
     print(f"GPU {props.name}, copy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
-    meta = {
-        "gpu": props.name, "sm_count": props.multi_processor_count,
-        "driver": subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True).stdout.strip(),
-        "cuda": torch.version.cuda, "torch": torch.__version__, "python": platform.python_version(),
-        "commit": git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "copy_bandwidth_TBps": bw / 1e12, "fla": None, "head_dim": D,
-    }
+    meta = dict(run_meta(), copy_bandwidth_TBps=bw / 1e12, fla=None, head_dim=D)
     if have_fla:
         import fla
         meta["fla"] = getattr(fla, "__version__", "unknown")

@@ -12,14 +12,12 @@ Usage: python3 bench/bench_state_dtype.py [--json out.json] [--rounds 7] [--entr
 """
 
 import argparse
-import datetime
 import json
 import statistics
-import subprocess
 
 import torch
 
-from bench_prefill import CASES, OursVariant, git_commit, kernel_times, make_inputs, time_graph
+from bench_prefill import CASES, OursVariant, kernel_times, make_inputs, run_meta, time_graph
 
 CASE_IDS = (0, 3)  # 8x2048 H16, 1x8192 H64
 
@@ -116,13 +114,7 @@ def main():
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
-            props = torch.cuda.get_device_properties(0)
-            meta = {"gpu": props.name, "driver": subprocess.run(
-                        ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                        capture_output=True, text=True).stdout.strip(),
-                    "cuda": torch.version.cuda, "torch": torch.__version__, "commit": git_commit(),
-                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-            json.dump({"meta": meta, "state_dtype": rows}, f, indent=2)
+            json.dump({"meta": run_meta(), "state_dtype": rows}, f, indent=2)
     return 0
 
 
