@@ -166,11 +166,16 @@ __device__ inline bool starts_from_h0(const PrefillArgs& a, int64_t n) {
   return a.h0 != nullptr && (a.has_initial_state == nullptr || a.has_initial_state[n]);
 }
 
+// A state_indices value as a row: negative = padding, and out of range (flagged already by
+// chunk_prepare's validation) -1 too, so that it is never dereferenced.
+__device__ inline int64_t pool_row_or_padding(const PrefillArgs& a, int64_t r) {
+  return (r >= a.pool_rows) ? -1 : r;
+}
+
 // State row of sequence n in the state tensors (pool addressing); negative = padding.
 __device__ inline int64_t state_row(const PrefillArgs& a, int64_t n) {
   if (!a.state_indices) return n;
-  const int64_t r = load_index(a.state_indices, a.idx_int64, n);
-  return (r >= a.pool_rows) ? -1 : r;  // out of range was flagged already; never dereference it
+  return pool_row_or_padding(a, load_index(a.state_indices, a.idx_int64, n));
 }
 
 // state_row in two steps, so that the load's round trip overlaps other work: issue_state_row_load
@@ -194,9 +199,8 @@ __device__ inline void issue_state_row_load(const PrefillArgs& a, int64_t n, uin
 
 __device__ inline int64_t state_row_resolve(const PrefillArgs& a, uint32_t lo, uint32_t hi) {
   if (!a.state_indices) return static_cast<int64_t>((static_cast<uint64_t>(hi) << 32) | lo);
-  const int64_t r = a.idx_int64 ? static_cast<int64_t>((static_cast<uint64_t>(hi) << 32) | lo)
-                                : static_cast<int64_t>(static_cast<int32_t>(lo));
-  return (r >= a.pool_rows) ? -1 : r;  // as state_row
+  return pool_row_or_padding(a, a.idx_int64 ? static_cast<int64_t>((static_cast<uint64_t>(hi) << 32) | lo)
+                                            : static_cast<int64_t>(static_cast<int32_t>(lo)));
 }
 
 // ---------------------------------------------------------------------------------------------
