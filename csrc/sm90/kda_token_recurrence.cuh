@@ -298,6 +298,78 @@ __device__ inline void store_state_row(void* row, int j, const float (&s)[16]) {
   }
 }
 
+// A token's raw inputs as bits (decode's latency kernel and checkpoint_advance): loaded without a
+// conversion, so that no use follows each load and all of a thread's loads are in flight together;
+// token_from_bits converts them where they are used.
+__device__ inline float bf16_bits_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ inline float bf16_bits_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+
+// One token's raw inputs for one warp (the lane's D / 32 columns of q, k, g, and beta), as bits.
+template <int D>
+struct TokenBits {
+  static constexpr int PC = D / 32;
+  uint32_t q[PC / 2], k[PC / 2];  // bf16 pairs
+  uint32_t g[PC];                 // fp32 bits, or bf16 pairs in g[0 .. PC / 2)
+  uint32_t beta;                  // fp32 bits, or bf16 bits in the low half
+};
+
+template <int PC>
+__device__ inline void load_bf16_bits(const bf16* p, bool vec, uint32_t* w) {
+  if (vec) {
+    if constexpr (PC == 4) {
+      const uint2 u = *reinterpret_cast<const uint2*>(p);
+      w[0] = u.x, w[1] = u.y;
+    } else {
+      w[0] = *reinterpret_cast<const uint32_t*>(p);
+    }
+  } else {  // 2-byte aligned rows (rare): packed at once
+    const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
+#pragma unroll
+    for (int i = 0; i < PC / 2; ++i)
+      w[i] = static_cast<uint32_t>(h[2 * i]) | (static_cast<uint32_t>(h[2 * i + 1]) << 16);
+  }
+}
+
+template <int D, class A>
+__device__ inline void load_token_bits(const A& a, int64_t batch, int64_t row, int h, int lane,
+                                       TokenBits<D>& t) {
+  constexpr int PC = D / 32;
+  const int c0 = lane * PC;
+  load_bf16_bits<PC>(a.q + batch * a.q_sb + row * a.q_st + h * D + c0, a.vec_q, t.q);
+  load_bf16_bits<PC>(a.k + batch * a.k_sb + row * a.k_st + h * D + c0, a.vec_k, t.k);
+  const int64_t go = batch * a.g_sb + row * a.g_st + h * D + c0;
+  if (a.g_fp32) {
+    const uint32_t* g = static_cast<const uint32_t*>(a.g) + go;
+#pragma unroll
+    for (int i = 0; i < PC; ++i) t.g[i] = g[i];
+  } else {
+    load_bf16_bits<PC>(static_cast<const bf16*>(a.g) + go, a.vec_g, t.g);
+  }
+  const int64_t bo = batch * a.beta_sb + row * a.beta_st + h;
+  t.beta = a.beta_fp32 ? static_cast<const uint32_t*>(a.beta)[bo]
+                       : static_cast<uint32_t>(static_cast<const unsigned short*>(a.beta)[bo]);
+}
+
+template <int D, class A>
+__device__ inline TokenRaw<D> token_from_bits(const A& a, const TokenBits<D>& t) {
+  constexpr int PC = D / 32;
+  TokenRaw<D> r;
+#pragma unroll
+  for (int i = 0; i < PC / 2; ++i) {
+    r.q[2 * i] = bf16_bits_lo(t.q[i]), r.q[2 * i + 1] = bf16_bits_hi(t.q[i]);
+    r.k[2 * i] = bf16_bits_lo(t.k[i]), r.k[2 * i + 1] = bf16_bits_hi(t.k[i]);
+  }
+  if (a.g_fp32) {
+#pragma unroll
+    for (int i = 0; i < PC; ++i) r.g[i] = __uint_as_float(t.g[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < PC / 2; ++i) r.g[2 * i] = bf16_bits_lo(t.g[i]), r.g[2 * i + 1] = bf16_bits_hi(t.g[i]);
+  }
+  r.beta = a.beta_fp32 ? __uint_as_float(t.beta) : bf16_bits_lo(t.beta);
+  return r;
+}
+
 // Tokens are handled kTokenChunk at a time: the block's warps preprocess them in parallel (two each)
 // into shared memory, one barrier, then every row group runs them back to back from shared memory.
 // So a chunk costs one memory round trip instead of one per token (the latency of a decode step is
@@ -310,13 +382,15 @@ struct TokenChunkSmem {
   float beta[kTokenChunk];
 };
 
-// The raw inputs of a token chunk held by one thread: the two tokens its warp preprocesses, and the
-// value-row entries of its own state rows for every token of the chunk.
+// The raw inputs of a token chunk held by one thread, as bits: the two tokens its warp preprocesses,
+// and the value-row entries of its own state rows for every token of the chunk (bf16 bits in the low
+// half).  As floats, each load was converted right after it was issued, so the warp waited for every
+// load in turn (the SASS of checkpoint_advance: a bf16 load and its shift back to back, ~16 a chunk).
 template <int D>
 struct TokenChunkRegs {
   static constexpr int kR = TokenLayout<D>::kRowsPerThread;
-  TokenRaw<D> raw[kTokenChunk / kTokenWarps];
-  float v[kR][kTokenChunk];
+  TokenBits<D> raw[kTokenChunk / kTokenWarps];
+  uint32_t v[kR][kTokenChunk];
 };
 
 // Issues the loads of logical tokens [tok0, tok0 + nt) (nt <= kTokenChunk); nothing waits on them
@@ -332,13 +406,13 @@ __device__ inline void load_token_chunk(const A& a, int64_t batch, int64_t tok0,
     if (i < nt) {
       const int64_t base = batch * a.v_sb + mapped_row(a, tok0 + i) * a.v_st + static_cast<int64_t>(h) * D;
 #pragma unroll
-      for (int q = 0; q < kR; ++q) r.v[q][i] = __bfloat162float(a.v[base + vrow[q]]);
+      for (int q = 0; q < kR; ++q) r.v[q][i] = reinterpret_cast<const unsigned short*>(a.v)[base + vrow[q]];
     }
   }
 #pragma unroll
   for (int u = 0; u < kTokenChunk / kTokenWarps; ++u) {
     const int i = u * kTokenWarps + warp;
-    if (i < nt) load_token<D>(a, batch, mapped_row(a, tok0 + i), h, lane, r.raw[u]);
+    if (i < nt) load_token_bits<D>(a, batch, mapped_row(a, tok0 + i), h, lane, r.raw[u]);
   }
 }
 
@@ -356,7 +430,7 @@ __device__ inline void compute_token_chunk(const A& a, int nt, int j, float expA
   for (int u = 0; u < kTokenChunk / kTokenWarps; ++u) {
     const int i = u * kTokenWarps + warp;
     if (i < nt) {
-      const float b = preprocess_token<D>(a, r.raw[u], expA, dtb, sm.tok[i], lane);
+      const float b = preprocess_token<D>(a, token_from_bits<D>(a, r.raw[u]), expA, dtb, sm.tok[i], lane);
       if (lane == 0) sm.beta[i] = b;
     }
   }
@@ -366,7 +440,8 @@ __device__ inline void compute_token_chunk(const A& a, int nt, int j, float expA
     if (i < nt) {
       float o[kR];
 #pragma unroll
-      for (int q = 0; q < kR; ++q) o[q] = advance_row<D>(s[q], sm.tok[i], j, sm.beta[i], r.v[q][i]);
+      for (int q = 0; q < kR; ++q)
+        o[q] = advance_row<D>(s[q], sm.tok[i], j, sm.beta[i], bf16_bits_lo(r.v[q][i]));
       per_token(i, o);
     }
   }
