@@ -332,9 +332,13 @@ def main():
             row = {"case": name, "fp32_state_us": base}
             for v in VARIANTS:
                 row[v + "_us"], _ = time_graph(OursVariant(x, H, v), args.iters)
+                # per kernel too: what a serving feature adds (checkpoint_advance, the walk's stores)
+                row[v + "_kernels_us"] = kernel_times(OursVariant(x, H, v), 5)
             variants.append(row)
             print(f"{name:38s} fp32 state {base:8.1f} us  " +
                   "  ".join(f"{v} {row[v + '_us']:8.1f} us" for v in VARIANTS), flush=True)
+            for v in VARIANTS:
+                print(f"    {v} per kernel: " + ", ".join(f"{k} {t:.1f}" for k, t in row[v + "_kernels_us"].items()))
             del x
             torch.cuda.empty_cache()
     result = {"meta": meta, "numerics": num, "prefill": rows, "prefill_variants": variants}

@@ -40,12 +40,14 @@ def load(paths):
                         {"case": row["case"] + ", no CP", "ours_us": row["ours_no_cp_us"],
                          "ours_kernels_us": row.get("ours_no_cp_kernels_us") or {}})
             # bench_prefill's serving variants (ab_bench.sh PREFILL_VARIANTS=1): one row per variant
-            # of the same call (pool addressing, bf16 state, checkpoints), no per-kernel times.
+            # of the same call (pool addressing, bf16 state, checkpoints), with its per-kernel times
+            # where the JSON has them (<variant>_kernels_us).
             for row in d.get("prefill_variants", []):
                 for key, t in row.items():
-                    if key.endswith("_us") and t:
+                    if key.endswith("_us") and not key.endswith("_kernels_us") and t:
                         name = f"{row['case']}, {key[:-3]}"
-                        runs[name][m.group(1)].append({"case": name, "ours_us": t, "ours_kernels_us": {}})
+                        runs[name][m.group(1)].append(
+                            {"case": name, "ours_us": t, "ours_kernels_us": row.get(key[:-3] + "_kernels_us") or {}})
     return runs
 
 

@@ -87,6 +87,24 @@ def test_serving_variants_get_one_case_each(tmp_path):
     assert not any("checkpoints" in l for l in lines)  # a variant the run did not time has no row
 
 
+def test_serving_variants_carry_their_kernel_times(tmp_path):
+    """A variant's per-kernel times (<variant>_kernels_us) go to its row's last column and are not read
+    as a variant of their own."""
+    def write(variant, rnd, us, adv_us):
+        d = {"prefill": [], "prefill_variants": [{"case": "8x2048, H16", "checkpoints_us": us,
+                                                  "checkpoints_kernels_us": {"checkpoint_advance_kernel": adv_us}}]}
+        p = tmp_path / f"ab_{variant}_r{rnd}.json"
+        p.write_text(json.dumps(d))
+        return str(p)
+
+    paths = [write("base", 1, 440.0, 30.0), write("base", 2, 442.0, 32.0), write("bits", 1, 420.0, 10.0),
+             write("bits", 2, 422.0, 12.0)]
+    lines = ab_summary.summarise(ab_summary.load(paths)).splitlines()
+    bits = next(l for l in lines if l.startswith("| 8x2048, H16, checkpoints | bits |"))
+    assert "| 2 | 421.0 |" in bits and "checkpoint_advance_kernel 11.0" in bits
+    assert not any("checkpoints_kernels" in l for l in lines)
+
+
 def test_named_base_and_copy_bandwidth_of_decode_rows(tmp_path):
     """ab_decode_kernels.sh compares kernels by name (--base: the first of its KERNELS) and its decode
     rows carry % of copy bandwidth, reported beside the per-kernel times."""
