@@ -66,7 +66,7 @@ def test_deterministic(gen, segments):
 
 
 def test_cuda_graph_replay(gen, segments):
-    base.test_cuda_graph_replay(gen)
+    base.test_cuda_graph_replay(gen, H=4)
 
 
 def test_row_strided_inputs(gen, segments):
