@@ -99,11 +99,13 @@ Status launch_prefill(const PrefillArgs& a, int num_sms, cudaStream_t stream) {
       }
   }
   if (!st.ok() || a.ckpt_offsets == nullptr || a.n_ckpt <= 0) return st;
-  const int64_t blocks = static_cast<int64_t>(a.N) * a.n_ckpt * (D / TokenLayout<D>::kRowsPerBlock);
+  const int64_t blocks = static_cast<int64_t>(a.N) * a.n_ckpt * (D / AdvanceSmem<D>::kRows);
   if (blocks > 0x7fffffff)
     return Status::invalid("flashkda: argument 'checkpoint_offsets': too many checkpoints");
-  checkpoint_advance_kernel<D>
-      <<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(a.H)), kTokenWarps * 32, 0, stream>>>(a);
+  e = set_smem_limit_once<checkpoint_advance_kernel<D>>(sizeof(AdvanceSmem<D>));
+  if (e != cudaSuccess) return cuda_status(e, "checkpoint_advance smem attribute");
+  checkpoint_advance_kernel<D><<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(a.H)),
+                                 kAdvanceWarps<D> * 32, sizeof(AdvanceSmem<D>), stream>>>(a);
   return cuda_status(cudaGetLastError(), "checkpoint_advance launch");
 }
 

@@ -10,10 +10,10 @@
 // Thread layout: one row of D fp32 is split over LPR = D / 16 adjacent lanes, 16 columns each; lane
 // j of a row group holds columns 4 j + 4 LPR i + c (i, c < 4), so each of the four float4 loads of a
 // row group reads one contiguous segment of 4 LPR floats of the row (coalesced).  A warp covers
-// 32 / LPR rows at a time and each thread holds two rows, so a block of kTokenWarps warps holds
-// kRowsPerBlock rows (32 for D = 128, 64 for D = 64).
-// Tokens go kTokenChunk at a time: each warp preprocesses two of them (q, k, gate; D / 32 columns
-// per lane, l2 norms by warp shuffles) into shared memory, then every row group runs them.
+// 32 / LPR rows at a time and each thread holds two rows, so a block of kWarps warps holds
+// kRowsPerBlock rows (at the decode kernels' kTokenWarps = 4: 32 for D = 128, 64 for D = 64).
+// A token is preprocessed by one warp (q, k, gate; D / 32 columns per lane, l2 norms by warp
+// shuffles) into a shared TokenBuf, from which every row group runs it.
 #pragma once
 
 #include "sm90/kda_common.cuh"
@@ -23,7 +23,7 @@ namespace sm90 {
 
 constexpr int kTokenWarps = 4;
 
-template <int D>
+template <int D, int kWarps = kTokenWarps>
 struct TokenLayout {
   static_assert(D == 64 || D == 128, "head dim");
   static constexpr int kLanesPerRow = D / 16;
@@ -32,8 +32,8 @@ struct TokenLayout {
   // a block, which is what bounds a decode step (measured: 1 row per thread reached ~50% of copy
   // bandwidth at batch 64-256).
   static constexpr int kRowsPerThread = 2;
-  static constexpr int kRowsPerBlock = kRowsPerThread * kTokenWarps * kRowsPerWarp;  // 32 / 64
-  static constexpr int kColsPerLane = D / 32;                                        // preprocessing split
+  static constexpr int kRowsPerBlock = kRowsPerThread * kWarps * kRowsPerWarp;  // 32 / 64 at 4 warps
+  static constexpr int kColsPerLane = D / 32;                                   // preprocessing split
   // Row r (< kRowsPerThread) of the thread: slice base + r * kRowsPerBlock / 2 + warp rows + lane row.
   __device__ static int row(int slice, int r, int warp, int lane) {
     return slice * kRowsPerBlock + r * (kRowsPerBlock / kRowsPerThread) + warp * kRowsPerWarp +
@@ -153,42 +153,6 @@ __device__ inline float preprocess_token(const A& a, const TokenRaw<D>& t, float
     if (lane == 0) buf.kq = kq * qs * ks;
   }
   return a.beta_sigmoid ? sigmoidf_(t.beta) : t.beta;
-}
-
-// One token on the lane's 16 state columns of row v; returns o_v (complete in every lane of the row
-// group).  The row group's lanes are adjacent, so the dot products reduce with xor shuffles < LPR.
-template <int D>
-__device__ inline float advance_row(float (&s)[16], const TokenBuf<D>& buf, int j, float b, float v) {
-  constexpr int LPR = TokenLayout<D>::kLanesPerRow;
-  float4 q4[4], k4[4];
-  float pred = 0.f;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int col = token_col<D>(j, i);
-    const float4 d4 = *reinterpret_cast<const float4*>(&buf.decay[col]);
-    k4[i] = *reinterpret_cast<const float4*>(&buf.k[col]);
-    q4[i] = *reinterpret_cast<const float4*>(&buf.q[col]);
-    s[4 * i + 0] *= d4.x;
-    s[4 * i + 1] *= d4.y;
-    s[4 * i + 2] *= d4.z;
-    s[4 * i + 3] *= d4.w;
-    pred += s[4 * i] * k4[i].x + s[4 * i + 1] * k4[i].y + s[4 * i + 2] * k4[i].z + s[4 * i + 3] * k4[i].w;
-  }
-#pragma unroll
-  for (int o = LPR / 2; o > 0; o >>= 1) pred += __shfl_xor_sync(0xffffffffu, pred, o);
-  const float u = b * (v - pred);
-  float out = 0.f;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    s[4 * i + 0] += u * k4[i].x;
-    s[4 * i + 1] += u * k4[i].y;
-    s[4 * i + 2] += u * k4[i].z;
-    s[4 * i + 3] += u * k4[i].w;
-    out += s[4 * i] * q4[i].x + s[4 * i + 1] * q4[i].y + s[4 * i + 2] * q4[i].z + s[4 * i + 3] * q4[i].w;
-  }
-#pragma unroll
-  for (int o = LPR / 2; o > 0; o >>= 1) out += __shfl_xor_sync(0xffffffffu, out, o);
-  return out;
 }
 
 // One token on all kR rows of the thread at once, from the token's decay, k and q columns of the
@@ -368,84 +332,6 @@ __device__ inline TokenRaw<D> token_from_bits(const A& a, const TokenBits<D>& t)
   }
   r.beta = a.beta_fp32 ? __uint_as_float(t.beta) : bf16_bits_lo(t.beta);
   return r;
-}
-
-// Tokens are handled kTokenChunk at a time: the block's warps preprocess them in parallel (two each)
-// into shared memory, one barrier, then every row group runs them back to back from shared memory.
-// So a chunk costs one memory round trip instead of one per token (the latency of a decode step is
-// a chain of dependent loads; this keeps the chain short).
-constexpr int kTokenChunk = 8;
-
-template <int D>
-struct TokenChunkSmem {
-  TokenBuf<D> tok[kTokenChunk];
-  float beta[kTokenChunk];
-};
-
-// The raw inputs of a token chunk held by one thread, as bits: the two tokens its warp preprocesses,
-// and the value-row entries of its own state rows for every token of the chunk (bf16 bits in the low
-// half).  As floats, each load was converted right after it was issued, so the warp waited for every
-// load in turn (the SASS of checkpoint_advance: a bf16 load and its shift back to back, ~16 a chunk).
-template <int D>
-struct TokenChunkRegs {
-  static constexpr int kR = TokenLayout<D>::kRowsPerThread;
-  TokenBits<D> raw[kTokenChunk / kTokenWarps];
-  uint32_t v[kR][kTokenChunk];
-};
-
-// Issues the loads of logical tokens [tok0, tok0 + nt) (nt <= kTokenChunk); nothing waits on them
-// until compute_token_chunk, so a caller can issue them before unrelated work.
-template <int D, class A>
-__device__ inline void load_token_chunk(const A& a, int64_t batch, int64_t tok0, int nt, int h,
-                                        const int (&vrow)[TokenLayout<D>::kRowsPerThread],
-                                        TokenChunkRegs<D>& r) {
-  constexpr int kR = TokenLayout<D>::kRowsPerThread;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int i = 0; i < kTokenChunk; ++i) {
-    if (i < nt) {
-      const int64_t base = batch * a.v_sb + mapped_row(a, tok0 + i) * a.v_st + static_cast<int64_t>(h) * D;
-#pragma unroll
-      for (int q = 0; q < kR; ++q) r.v[q][i] = reinterpret_cast<const unsigned short*>(a.v)[base + vrow[q]];
-    }
-  }
-#pragma unroll
-  for (int u = 0; u < kTokenChunk / kTokenWarps; ++u) {
-    const int i = u * kTokenWarps + warp;
-    if (i < nt) load_token_bits<D>(a, batch, mapped_row(a, tok0 + i), h, lane, r.raw[u]);
-  }
-}
-
-// Preprocesses the chunk into shared memory (each warp its two tokens), then runs its tokens on
-// the thread's rows; calls per_token(i, o) with o[q] = output of row vrow[q] after token i.  Must
-// be reached by all threads of the block (two __syncthreads).
-template <int D, class A, class PerToken>
-__device__ inline void compute_token_chunk(const A& a, int nt, int j, float expA, const float (&dtb)[D / 32],
-                                           TokenChunkSmem<D>& sm, const TokenChunkRegs<D>& r,
-                                           float (&s)[TokenLayout<D>::kRowsPerThread][16],
-                                           PerToken per_token) {
-  constexpr int kR = TokenLayout<D>::kRowsPerThread;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int u = 0; u < kTokenChunk / kTokenWarps; ++u) {
-    const int i = u * kTokenWarps + warp;
-    if (i < nt) {
-      const float b = preprocess_token<D>(a, token_from_bits<D>(a, r.raw[u]), expA, dtb, sm.tok[i], lane);
-      if (lane == 0) sm.beta[i] = b;
-    }
-  }
-  __syncthreads();
-#pragma unroll
-  for (int i = 0; i < kTokenChunk; ++i) {
-    if (i < nt) {
-      float o[kR];
-#pragma unroll
-      for (int q = 0; q < kR; ++q)
-        o[q] = advance_row<D>(s[q], sm.tok[i], j, sm.beta[i], bf16_bits_lo(r.v[q][i]));
-      per_token(i, o);
-    }
-  }
-  __syncthreads();  // the buffers are rewritten by the next chunk
 }
 
 }  // namespace sm90

@@ -13,7 +13,7 @@ import torch
 
 import flashkda
 from flashkda import reference as R
-from kda_helpers import BF16, make_inputs, op_kwargs, rel_err
+from kda_helpers import BF16, make_inputs, op_kwargs, rel_err, strided_copy
 
 
 def _sm90():
@@ -87,6 +87,32 @@ def test_checkpoints_equal_the_prefix_alone(gen, D, offset_dtype):
     fs2 = torch.empty_like(fs)
     flashkda.prefill(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], out2, final_state=fs2, **op_kwargs(inp))
     assert torch.equal(out, out2) and torch.equal(fs, fs2)
+
+
+@pytest.mark.parametrize("g_dtype", [BF16, torch.float32], ids=["g_bf16", "g_fp32"])
+def test_checkpoints_of_unaligned_rows_match_aligned(gen, g_dtype):
+    """checkpoint_advance copies 16-byte-aligned token rows by cp.async and loads other rows per element,
+    a token at a time: the same arithmetic, so the checkpoints are bitwise equal, and both equal the
+    prefix alone.  Offsets 1 to 63 tokens past a chunk start (63: every warp preprocesses its most)."""
+    lens = [130, 63, 200]
+    offsets = torch.tensor([[63, 100], [1, 63], [137, 191]], dtype=torch.int32, device=DEV)
+    inp = make_inputs(lens, H=4, D=128, device=DEV, generator=gen, g_dtype=g_dtype)
+    _, _, ckpt, ws = _run_with_checkpoints(inp, offsets)
+    assert flashkda.read_device_error(ws) == 0
+    odd = dict(inp)
+    for name in ("q", "k", "v", "g"):
+        odd[name] = strided_copy(inp[name], pad=24, offset=1)  # 2-byte offset (4 for fp32 g)
+        assert odd[name].data_ptr() % 16 != 0
+    _, _, ckpt_odd, ws_odd = _run_with_checkpoints(odd, offsets)
+    assert flashkda.read_device_error(ws_odd) == 0
+    assert torch.equal(ckpt, ckpt_odd), f"seed {gen.initial_seed()}: the unaligned rows' checkpoints differ"
+    h0 = inp["initial_state"]
+    for n in range(len(lens)):
+        for j in range(offsets.shape[1]):
+            off = int(offsets[n, j])
+            _, ref = R.prefill(**_prefix(inp, n, off), **_gate(inp), initial_state=h0[n:n + 1])
+            e = rel_err(ckpt[n, j], ref[0])
+            assert e <= STATE_TOL, f"seed {gen.initial_seed()}: checkpoint ({n}, {j}) offset {off}: rel {e:.3e}"
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
