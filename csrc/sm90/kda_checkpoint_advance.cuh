@@ -6,15 +6,18 @@
 // checkpoint_state[n, j] equals the final state of running the first o tokens alone.  Chunk-aligned
 // offsets (r = 0) need nothing and their blocks exit at once.
 //
-// Grid: (N x n_ckpt x D / 64 row slices, H).  Block: kAdvanceWarps<D> warps (8 at D = 128, 4 at
-// D = 64), 64 state rows; each thread holds 16 fp32 columns of two rows (TokenLayout<D, kWarps>).
-// Chunk scheme: all r <= 63 tokens are preprocessed at once, r / kWarps a warp, their raw loads
-// (as bits) issued together with the state's, into dynamic shared memory (AdvanceSmem: 63 TokenBufs,
-// the betas and the block's v values; 106 KB at D = 128, two blocks an SM); one barrier; then every
-// thread runs the r tokens on its rows back to back, with no barrier and no global load.  So a
-// checkpoint costs one memory round trip, one preprocessing pass and r token steps.  (Tokens 8 at a
-// time, as the decode kernels take them, cost a round trip, a preprocessing pass and two barriers
-// every 8 tokens: 41 us on 8x2048 H16 with offsets 42 tokens into a chunk, on an H100.)
+// Grid: (N x n_ckpt x D / 64 row slices, H).
+// Block: kAdvanceWarps<D> warps (8 at D = 128, 4 at D = 64), 64 state rows; each thread holds 16 fp32
+// columns of two rows (TokenLayout<D, kWarps>).
+// Chunk scheme: all r <= 63 tokens are preprocessed at once, r / kWarps a warp.  With 16-byte rows the
+// warps copy their tokens' q / k / g rows by cp.async into the tokens' own TokenBufs and the block's v
+// values beside them, together with the state's loads; each warp then preprocesses its tokens in place.
+// Shared memory (AdvanceSmem): 63 TokenBufs, the betas and the v values, 106 KB at D = 128 (two blocks
+// an SM).  One barrier; then every thread runs the r tokens on its rows back to back, with no barrier
+// and no global load.  So a checkpoint costs one memory round trip, one preprocessing pass and r token
+// steps (~150 instructions a warp a token at D = 128).  Tokens 8 at a time, as the decode kernels take
+// them, cost a round trip, a preprocessing pass and two barriers every 8 tokens (41 us against 34 us on
+// 8x2048 H16 with offsets 42 tokens into a chunk, on an H100).
 // Runs after state_recurrence on the same stream; does nothing when chunk_prepare flagged an input.
 #pragma once
 
