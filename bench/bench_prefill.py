@@ -264,6 +264,9 @@ def main():
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--cases", default=None, help="comma-separated indices into CASES")
     ap.add_argument("--no-variants", action="store_true", help="skip the bf16-state / pool / checkpoint rows")
+    ap.add_argument("--variant-cases", default=",".join(map(str, VARIANT_CASES)),
+                    help="comma-separated indices into CASES for the serving-variant rows (default %(default)s; "
+                         "2, 1x16384 H16, is a context-parallel case)")
     ap.add_argument("--head-dim", type=int, choices=(64, 128), default=128,
                     help="K = V (the spec's table and targets are D = 128; 64 is the second supported case)")
     args = ap.parse_args()
@@ -325,7 +328,7 @@ def main():
         torch.cuda.empty_cache()
     variants = []
     if not args.no_variants:
-        for i in VARIANT_CASES:
+        for i in (int(c) for c in args.variant_cases.split(",")):
             name, lens, H = CASES[i]
             x = make_inputs(lens, H)
             base, _ = time_graph(Ours(x, H), args.iters)

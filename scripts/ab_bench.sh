@@ -9,7 +9,8 @@
 # "base" is the tree itself.  Each variant is built from its own copy of the tree into its own
 # --target folder, then bench/bench_prefill.py or bench/bench_decode.py (BENCH=prefill | decode;
 # ours only) runs once per variant per round in a fresh process (two builds of the extension cannot
-# share one process).  CASES are the benchmark's own --cases.
+# share one process).  CASES are the benchmark's own --cases; with PREFILL_VARIANTS=1, VARIANT_CASES
+# (bench_prefill's --variant-cases, default 0,3) picks the cases of the serving-variant rows.
 # TESTS=1 first runs each variant's own GPU tests (PYTEST_PATHS, from the variant's copy, against its
 # build; a variant whose tests fail is dropped from the timed rounds), so that one call can check and
 # time prepared changes (base, main itself, is not tested again unless TEST_BASE=1):
@@ -117,6 +118,7 @@ for r in $(seq 1 "$ROUNDS"); do
       # PREFILL_VARIANTS=1 also times the serving variants (pool addressing, bf16 state, checkpoints)
       cmd=(bench/bench_prefill.py --no-fla --iters "$ITERS" ${CASES:+--cases "$CASES"})
       [ "${PREFILL_VARIANTS:-0}" = 1 ] || cmd+=(--no-variants)
+      if [ -n "${VARIANT_CASES:-}" ]; then cmd+=(--variant-cases "$VARIANT_CASES"); fi  # the serving variants' cases
     else
       cmd=(bench/bench_decode.py --no-fla --no-cold --iters "$ITERS" ${CASES:+--cases "$CASES"})
     fi
