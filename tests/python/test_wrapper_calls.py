@@ -1,8 +1,8 @@
 """The GPU test modules that re-run another module's tests (`import test_gpu as base`, then
-`base.test_x(gen, ...)`) only run on a GPU, so a new required argument of the callee shows up there
-as a TypeError, after CI has passed (2026-12-06: test_cuda_graph_replay gained H and the
-context-parallel wrapper did not pass it).  This CPU test reads the sources and checks every such
-call against the callee's signature.
+`base.test_x(gen, ...)`; any test module imported under another name) only run on a GPU, so a new
+required argument of the callee shows up there as a TypeError, after CI has passed (2026-12-06:
+test_cuda_graph_replay gained H and the context-parallel wrapper did not pass it).  This CPU test
+reads the sources and checks every such call against the callee's signature.
 """
 
 import ast
@@ -15,14 +15,15 @@ def functions(path):
     return {n.name: n for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)}
 
 
-def base_module(tree):
-    """The module imported `as base`, if any."""
+def imported_test_modules(tree):
+    """{alias: module} of the test modules imported under another name (`import test_gpu as base`)."""
+    out = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.asname == "base":
-                    return alias.name
-    return None
+                if alias.asname and alias.name.startswith("test_"):
+                    out[alias.asname] = alias.name
+    return out
 
 
 def missing_arguments(call, callee):
@@ -36,18 +37,15 @@ def missing_arguments(call, callee):
 
 
 def wrapper_calls():
-    """(module, line, callee name, callee def or None, call) for every base.test_* call."""
+    """(module, line, callee name, callee def or None, call) for every <alias>.test_* call."""
     for path in sorted(HERE.glob("test_gpu*.py")):
         tree = ast.parse(path.read_text())
-        mod = base_module(tree)
-        if mod is None:
-            continue
-        callees = functions(HERE / f"{mod}.py")
+        callees = {a: functions(HERE / f"{m}.py") for a, m in imported_test_modules(tree).items()}
         for node in ast.walk(tree):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "base"
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id in callees
                     and node.func.attr.startswith("test_")):
-                yield path.name, node.lineno, node.func.attr, callees.get(node.func.attr), node
+                yield path.name, node.lineno, node.func.attr, callees[node.func.value.id].get(node.func.attr), node
 
 
 def test_there_are_wrapper_calls_to_check():
@@ -58,11 +56,11 @@ def test_every_wrapper_call_passes_the_callees_required_arguments():
     problems = []
     for mod, line, name, callee, call in wrapper_calls():
         if callee is None:
-            problems.append(f"{mod}:{line}: base.{name} does not exist")
+            problems.append(f"{mod}:{line}: {call.func.value.id}.{name} does not exist")
             continue
         miss = missing_arguments(call, callee)
         if miss:
-            problems.append(f"{mod}:{line}: base.{name}(...) misses {', '.join(miss)}")
+            problems.append(f"{mod}:{line}: {call.func.value.id}.{name}(...) misses {', '.join(miss)}")
     assert not problems, "\n".join(problems)
 
 
