@@ -48,18 +48,30 @@ def disassemble(path):
     return text_or_tool_output(path, "nvdisasm", "NVDISASM", ["-c"])
 
 
-def blocks_of(text, kernel):
-    """[(label, [(opcode, operands), ...])] of the first function whose name contains `kernel`."""
-    out, cur, label, inside = [], None, "entry", False
+def function_lines(text, name, header=_FUNC):
+    """The lines of the first function whose name contains `name`, None when there is none; `header`
+    matches a function's first line with its name in group 1 (nvdisasm's by default).  Shared with
+    scripts/sass_load_use.py (cuobjdump's headers)."""
+    out, inside = [], False
     for line in text.splitlines():
-        m = _FUNC.match(line)
+        m = header.match(line)
         if m:
             if inside:
                 break
-            inside = kernel in m.group(1)
+            inside = name in m.group(1)
             continue
-        if not inside:
-            continue
+        if inside:
+            out.append(line)
+    return out if inside else None
+
+
+def blocks_of(text, kernel):
+    """[(label, [(opcode, operands), ...])] of the first function whose name contains `kernel`."""
+    lines = function_lines(text, kernel)
+    if lines is None:
+        raise SystemExit(f"no function containing {kernel!r}")
+    out, cur, label = [], None, "entry"
+    for line in lines:
         m = _LABEL.match(line)
         if m:
             if cur:
@@ -73,8 +85,6 @@ def blocks_of(text, kernel):
             cur.append((m.group(2), m.group(3)))
     if cur:
         out.append((label, cur))
-    if not inside and not out:
-        raise SystemExit(f"no function containing {kernel!r}")
     return out
 
 

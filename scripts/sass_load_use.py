@@ -23,7 +23,7 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sass_blocks import text_or_tool_output  # noqa: E402 (scripts/ is this script's own folder)
+from sass_blocks import function_lines, text_or_tool_output  # noqa: E402 (scripts/ is this script's own folder)
 
 _FUNC = re.compile(r"^\s*Function : (\S+)")
 _LOAD = re.compile(r"^(?:@!?U?P[T\d]+\s+)?(LDG\.E[\w.]*|LD\.E[\w.]*)\s+(R\d+)\s*,")
@@ -37,18 +37,11 @@ def sass_text(path):
 
 def kernel_lines(text, name):
     """The instruction lines (comments and addresses stripped) of the first function containing name."""
-    out, inside = [], False
-    for line in text.splitlines():
-        m = _FUNC.match(line)
-        if m:
-            if inside:
-                break
-            inside = name in m.group(1)
-            continue
-        if inside:
-            body = re.sub(r"/\*[^*]*\*/", "", line).strip()
-            if body and not body.startswith("."):
-                out.append(body)
+    out = []
+    for line in function_lines(text, name, _FUNC) or []:
+        body = re.sub(r"/\*[^*]*\*/", "", line).strip()
+        if body and not body.startswith("."):
+            out.append(body)
     return out
 
 
