@@ -12,14 +12,19 @@ ab_summary = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ab_summary)
 
 
+def _round_file(tmp_path, variant, rnd, doc):
+    """One bench JSON of an A/B round, named as ab_bench.sh names them (ab_<variant>_r<round>.json)."""
+    p = tmp_path / f"ab_{variant}_r{rnd}.json"
+    p.write_text(json.dumps(doc))
+    return str(p)
+
+
 def _write(tmp_path, variant, rnd, call_us, prep_us, prep_graph_us=None):
     row = {"case": "8x2048, H16", "ours_us": call_us,
            "ours_kernels_us": {"void flashkda::sm90::chunk_prepare_kernel": prep_us}}
     if prep_graph_us is not None:
         row["ours_kernels_graph_us"] = {"void flashkda::sm90::chunk_prepare_kernel": prep_graph_us}
-    p = tmp_path / f"ab_{variant}_r{rnd}.json"
-    p.write_text(json.dumps({"prefill": [row]}))
-    return str(p)
+    return _round_file(tmp_path, variant, rnd, {"prefill": [row]})
 
 
 def test_medians_and_delta_against_base(tmp_path):
@@ -54,9 +59,7 @@ def test_rows_without_context_parallelism_get_their_own_case(tmp_path):
     def write(variant, rnd, call_us, no_cp_us):
         row = {"case": "1x16384, H16", "ours_us": call_us, "ours_kernels_us": {"walk": 1.0},
                "ours_no_cp_us": no_cp_us, "ours_no_cp_kernels_us": {"void flashkda::sm90::state_recurrence": no_cp_us - 10}}
-        p = tmp_path / f"ab_{variant}_r{rnd}.json"
-        p.write_text(json.dumps({"prefill": [row]}))
-        return str(p)
+        return _round_file(tmp_path, variant, rnd, {"prefill": [row]})
 
     paths = [write("base", 1, 550.0, 860.0), write("base", 2, 548.0, 864.0), write("lean", 1, 549.0, 830.0),
              write("lean", 2, 547.0, 840.0)]
@@ -74,9 +77,7 @@ def test_serving_variants_get_one_case_each(tmp_path):
     def write(variant, rnd, pool_us, bf16_us):
         d = {"prefill": [], "prefill_variants": [{"case": "8x2048, H16", "pool_us": pool_us, "bf16_state_us": bf16_us,
                                                   "checkpoints_us": None}]}
-        p = tmp_path / f"ab_{variant}_r{rnd}.json"
-        p.write_text(json.dumps(d))
-        return str(p)
+        return _round_file(tmp_path, variant, rnd, d)
 
     paths = [write("base", 1, 100.0, 90.0), write("base", 2, 102.0, 92.0), write("late", 1, 98.0, 91.0),
              write("late", 2, 96.0, 93.0)]
@@ -93,9 +94,7 @@ def test_serving_variants_carry_their_kernel_times(tmp_path):
     def write(variant, rnd, us, adv_us):
         d = {"prefill": [], "prefill_variants": [{"case": "8x2048, H16", "checkpoints_us": us,
                                                   "checkpoints_kernels_us": {"checkpoint_advance_kernel": adv_us}}]}
-        p = tmp_path / f"ab_{variant}_r{rnd}.json"
-        p.write_text(json.dumps(d))
-        return str(p)
+        return _round_file(tmp_path, variant, rnd, d)
 
     paths = [write("base", 1, 440.0, 30.0), write("base", 2, 442.0, 32.0), write("bits", 1, 420.0, 10.0),
              write("bits", 2, 422.0, 12.0)]
@@ -110,9 +109,7 @@ def test_named_base_and_copy_bandwidth_of_decode_rows(tmp_path):
     rows carry % of copy bandwidth, reported beside the per-kernel times."""
     def write(variant, rnd, us, pct):
         row = {"case": "plain N=64 fp32", "ours_us": us, "ours_kernels_us": {"k": us}, "pct_copy_bw": pct}
-        p = tmp_path / f"ab_{variant}_r{rnd}.json"
-        p.write_text(json.dumps({"decode": [row]}))
-        return str(p)
+        return _round_file(tmp_path, variant, rnd, {"decode": [row]})
 
     paths = [write("stream", 1, 37.0, 88.0), write("stream", 2, 37.4, 87.0), write("auto", 1, 39.0, 83.0),
              write("auto", 2, 39.4, 82.0)]
@@ -125,10 +122,8 @@ def test_kernel_ratio_compares_renamed_kernels(tmp_path):
     """--ratio chunk_prepare: a variant whose prepare kernel has another name (the persistent one) is
     still compared with base's chunk_prepare_kernel, by the medians of the matching kernels' sums."""
     def write(variant, rnd, kernels):
-        p = tmp_path / f"ab_{variant}_r{rnd}.json"
-        p.write_text(json.dumps({"prefill": [{"case": "8x2048, H16", "ours_us": 300.0,
-                                              "ours_kernels_us": kernels}]}))
-        return str(p)
+        row = {"case": "8x2048, H16", "ours_us": 300.0, "ours_kernels_us": kernels}
+        return _round_file(tmp_path, variant, rnd, {"prefill": [row]})
 
     paths = [write("base", 1, {"void flashkda::sm90::chunk_prepare_kernel<128>": 200.0,
                                "void flashkda::sm90::state_recurrence_kernel": 100.0}),
