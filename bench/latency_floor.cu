@@ -257,18 +257,15 @@ static float graph_us(F&& launch) {
   return us;
 }
 
+// The library's own launch helper (the same cudaLaunchKernelEx set-up the decode kernels use).
 template <class K, class... Args>
 static void launch(cudaStream_t st, bool pdl, K kernel, Args... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(kBlocks);
-  cfg.blockDim = dim3(kThreads);
-  cfg.stream = st;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+  const flashkda::Status s = flashkda::sm90::launch_maybe_programmatic(
+      kernel, dim3(kBlocks), dim3(kThreads), 0, pdl, st, "latency_floor launch", args...);
+  if (!s.ok()) {
+    std::fprintf(stderr, "%s\n", s.message.c_str());
+    std::exit(1);
+  }
 }
 
 int main() {
