@@ -109,9 +109,7 @@ __global__ void __launch_bounds__(kAdvanceWarps<D> * 32, 2) checkpoint_advance_k
             cp_async<16>(tb + 16 * p, static_cast<const bf16*>(a.g) + go + 8 * p);
         }
         if (lane < SM::kRows / 8) cp_async<16>(&sm.v[i][8 * lane], vsrc + v_offset(row) + 8 * lane);
-        const int64_t bo = sp.batch * a.beta_sb + row * a.beta_st + h;
-        beta_bits[u] = a.beta_fp32 ? static_cast<const uint32_t*>(a.beta)[bo]
-                                   : static_cast<uint32_t>(static_cast<const unsigned short*>(a.beta)[bo]);
+        beta_bits[u] = load_beta_bits(a, sp.batch, row, h);
       }
     }
     cp_async_commit();

@@ -262,9 +262,10 @@ __device__ inline void store_state_row(void* row, int j, const float (&s)[16]) {
   }
 }
 
-// A token's raw inputs as bits (decode's latency kernel and checkpoint_advance): loaded without a
-// conversion, so that no use follows each load and all of a thread's loads are in flight together;
-// token_from_bits converts them where they are used.
+// A token's raw inputs as bits (decode's latency kernel; checkpoint_advance copies q, k and g by
+// cp.async and takes beta's bits and the conversions from here): loaded without a conversion, so that
+// no use follows each load and all of a thread's loads are in flight together; token_from_bits
+// converts them where they are used.
 __device__ inline float bf16_bits_lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ inline float bf16_bits_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 
@@ -294,6 +295,14 @@ __device__ inline void load_bf16_bits(const bf16* p, bool vec, uint32_t* w) {
   }
 }
 
+// beta of (batch, row, head h) as bits: fp32 bits, or bf16 bits in the low half.
+template <class A>
+__device__ inline uint32_t load_beta_bits(const A& a, int64_t batch, int64_t row, int h) {
+  const int64_t bo = batch * a.beta_sb + row * a.beta_st + h;
+  return a.beta_fp32 ? static_cast<const uint32_t*>(a.beta)[bo]
+                     : static_cast<uint32_t>(static_cast<const unsigned short*>(a.beta)[bo]);
+}
+
 template <int D, class A>
 __device__ inline void load_token_bits(const A& a, int64_t batch, int64_t row, int h, int lane,
                                        TokenBits<D>& t) {
@@ -309,9 +318,7 @@ __device__ inline void load_token_bits(const A& a, int64_t batch, int64_t row, i
   } else {
     load_bf16_bits<PC>(static_cast<const bf16*>(a.g) + go, a.vec_g, t.g);
   }
-  const int64_t bo = batch * a.beta_sb + row * a.beta_st + h;
-  t.beta = a.beta_fp32 ? static_cast<const uint32_t*>(a.beta)[bo]
-                       : static_cast<uint32_t>(static_cast<const unsigned short*>(a.beta)[bo]);
+  t.beta = load_beta_bits(a, batch, row, h);
 }
 
 template <int D, class A>
