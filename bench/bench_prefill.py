@@ -334,9 +334,10 @@ def main():
             base, _ = time_graph(Ours(x, H), args.iters)
             row = {"case": name, "fp32_state_us": base}
             for v in VARIANTS:
-                row[v + "_us"], _ = time_graph(OursVariant(x, H, v), args.iters)
+                call = OursVariant(x, H, v)
+                row[v + "_us"], _ = time_graph(call, args.iters)
                 # per kernel too: what a serving feature adds (checkpoint_advance, the walk's stores)
-                row[v + "_kernels_us"] = kernel_times(OursVariant(x, H, v), 5)
+                row[v + "_kernels_us"] = kernel_times(call, 5)
             variants.append(row)
             print(f"{name:38s} fp32 state {base:8.1f} us  " +
                   "  ".join(f"{v} {row[v + '_us']:8.1f} us" for v in VARIANTS), flush=True)
