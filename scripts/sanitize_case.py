@@ -31,6 +31,20 @@ flashkda.prefill(*big, bigb, out2, ws, A_log=A_log, dt_bias=dt_bias, initial_sta
 torch.cuda.synchronize()
 print("prefill pool/checkpoints/token_rows: device error", flashkda.read_device_error(ws))
 
+# Checkpoints under context parallelism (segments of one chunk forced): the segment walks store the
+# checkpoints' chunk-boundary states, then checkpoint_advance (offsets inside segments and on their edges).
+os.environ["FLASHKDA_PREFILL_SEGMENT_CHUNKS"] = "1"
+ws_cp = torch.empty(flashkda.get_workspace_size(T, H, N), dtype=torch.uint8, device="cuda")
+qc, kc, vc, gc = (torch.randn(1, T, H, D, device="cuda").bfloat16() for _ in range(4))
+out_cp = torch.full((1, T, H, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+h0c = 0.1 * torch.randn(N, H, D, D, device="cuda")
+ckpt_cp = torch.full((N, 2, H, D, D), float("nan"), device="cuda")
+flashkda.prefill(qc, kc, vc, gc, beta, out_cp, ws_cp, A_log=A_log, dt_bias=dt_bias, initial_state=h0c,
+                 final_state=torch.empty_like(h0c), cu_seqlens=cu, checkpoint_offsets=offs, checkpoint_state=ckpt_cp)
+torch.cuda.synchronize()
+del os.environ["FLASHKDA_PREFILL_SEGMENT_CHUNKS"]
+print("prefill checkpoints, context parallel: device error", flashkda.read_device_error(ws_cp))
+
 # Rows that are not 16-byte aligned (v a view at a 2-byte offset): chunk_prepare's unstaged loads and,
 # where the walk reads v itself, its element-wise copies instead of bulk copies.
 vbuf = torch.randn(T * H * D + 8, device="cuda").bfloat16()

@@ -230,7 +230,7 @@ Status run_prefill_cuda(const PrefillParams& p, const ProblemShape& shape, void*
   a.walk_pdl = !env_is("FLASHKDA_PREFILL_PDL", "0");  // read on every call: a test runs both in one process
   const int sms = g_num_sms[p.q.device_index].load();
   const int64_t chunks_max = (shape.T + kChunkTokens - 1) / kChunkTokens;  // of the longest sequence
-  const int64_t seg_chunks = ckpt ? 0 : segment_chunks(shape, chunks_max, sms);
+  const int64_t seg_chunks = segment_chunks(shape, chunks_max, sms);       // with or without checkpoints
   if (seg_chunks > 0) {
     a.seg_chunks = static_cast<int>(seg_chunks);
     a.max_segs = static_cast<int>(std::max<int64_t>(1, (chunks_max + seg_chunks - 1) / seg_chunks));

@@ -28,7 +28,7 @@ constexpr size_t chunk_record_bytes(int64_t d) {
 constexpr int64_t kCpMaxSeqHeads = 32;
 constexpr int64_t kCpMinSegmentChunks = 32;
 // Dev switch FLASHKDA_PREFILL_SEGMENT_CHUNKS=<L> (L >= 1): force context parallelism with segments
-// of L chunks on every call without checkpoints (tests of the segment path on small inputs);
+// of L chunks on every call (tests of the segment path on small inputs);
 // workspace_size() then reserves the larger area that needs.  =off: never (A/B benchmarks).
 // Returns L, -1 for off, 0 when unset (the automatic choice).
 int64_t forced_segment_chunks();

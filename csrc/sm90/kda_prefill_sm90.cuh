@@ -86,17 +86,20 @@ Status launch_prefill(const PrefillArgs& a, int num_sms, cudaStream_t stream) {
   prep<<<grid, kPrepareThreads, PS::kBytes, stream>>>(a);
   Status st = cuda_status(cudaGetLastError(), "chunk_prepare launch");
   if (!st.ok() || a.N <= 0) return st;
-  if (a.seg_chunks > 0) return launch_context_parallel<D>(a, num_sms, stream);
-  switch (state_block_warps(a.N, a.H, D, num_sms)) {
-    case 4:
-      st = launch_recurrence<D, 4>(a, num_sms, stream);
-      break;
-    default:
-      if constexpr (D >= 128) {
-        st = launch_recurrence<D, 8>(a, num_sms, stream);
-      } else {
+  if (a.seg_chunks > 0) {  // the segment walks write the checkpoints' chunk-boundary states
+    st = launch_context_parallel<D>(a, num_sms, stream);
+  } else {
+    switch (state_block_warps(a.N, a.H, D, num_sms)) {
+      case 4:
         st = launch_recurrence<D, 4>(a, num_sms, stream);
-      }
+        break;
+      default:
+        if constexpr (D >= 128) {
+          st = launch_recurrence<D, 8>(a, num_sms, stream);
+        } else {
+          st = launch_recurrence<D, 4>(a, num_sms, stream);
+        }
+    }
   }
   if (!st.ok() || a.ckpt_offsets == nullptr || a.n_ckpt <= 0) return st;
   const int64_t blocks = static_cast<int64_t>(a.N) * a.n_ckpt * (D / AdvanceSmem<D>::kRows);

@@ -429,9 +429,18 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
 
   // Checkpoints (offsets validated by chunk_prepare: non-decreasing, within the sequence): the
   // state at the start of chunk c = o / C goes to checkpoint_state; checkpoint_advance then runs
-  // the remaining o - C c tokens of it with the token recurrence.
+  // the remaining o - C c tokens of it with the token recurrence.  The whole walk writes them all; with
+  // context parallelism the segment walks (which start from their segment's exact state) write those
+  // of chunks [c_begin, c_end), and the sequence's last segment also those at its end.
   int next_ckpt = 0;
   const int64_t ckpt_row0 = n * a.n_ckpt;
+  if constexpr (!kWhole && !kMap) {
+    if (a.ckpt_offsets != nullptr) {
+      while (next_ckpt < a.n_ckpt &&
+             load_index(a.ckpt_offsets, a.ckpt_int64, ckpt_row0 + next_ckpt) / kChunk < c_begin)
+        ++next_ckpt;
+    }
+  }
   auto write_checkpoints = [&](int c) {
     while (next_ckpt < a.n_ckpt) {
       const int64_t o = load_index(a.ckpt_offsets, a.ckpt_int64, ckpt_row0 + next_ckpt);
@@ -488,7 +497,7 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
   };
 
   for (int c = c_begin; c < c_end; ++c) {
-    if constexpr (kWhole) {
+    if constexpr (!kMap) {
       if (a.ckpt_offsets != nullptr) write_checkpoints(c);
     }
     const int k = c - c_begin;
@@ -747,9 +756,7 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
     }
     return;
   }
-  if constexpr (kWhole) {
-    if (a.ckpt_offsets != nullptr) write_checkpoints(nchunks);
-  }
+  if (a.ckpt_offsets != nullptr && last_segment) write_checkpoints(nchunks);  // (the map pass returned above)
   if (a.ht != nullptr && last_segment && a.ht_vec16) {
     // The warp's 16 state rows are 16 D contiguous entries of ht: they go through shared memory (the
     // record stages, free since the last chunk's barrier) and out as 16-byte stores, whole sectors

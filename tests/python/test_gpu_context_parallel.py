@@ -12,6 +12,7 @@ import torch
 
 import flashkda
 import test_gpu as base
+import test_gpu_checkpoints as ckpt_tests
 from kda_helpers import make_inputs
 
 pytestmark = base.pytestmark
@@ -107,3 +108,21 @@ def test_long_sequences_with_segments_of_many_chunks(gen, monkeypatch):
     out, fs = base.poisoned_outputs(inp)
     base.run(inp, out, fs)
     base.judge(gen, inp, out, fs, base.SPEC_OUT, base.SPEC_STATE)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_checkpoints_equal_the_prefix_alone(gen, segments, D):
+    """Checkpoints under context parallelism: the segment walks write the chunk-boundary states of the
+    offsets in their chunks, the last segment those at the sequence's end.  With segments of 1 or 3
+    chunks the offsets (0, mid-chunk, chunk-aligned, the length) fall inside segments and on their
+    edges."""
+    ckpt_tests.test_checkpoints_equal_the_prefix_alone(gen, D, torch.int32)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_checkpoints_with_state_pool(gen, segments, state_dtype):
+    ckpt_tests.test_checkpoints_with_state_pool(gen, state_dtype)
+
+
+def test_checkpoints_graph_replay(gen, segments):
+    ckpt_tests.test_checkpoints_graph_replay(gen)
