@@ -746,11 +746,12 @@ Status can_implement(const PrefillParams& p, ProblemShape* shape) {
     FLASHKDA_TRY(check_rank("checkpoint_offsets", co, 2, "[N, n_ckpt]"));
     FLASHKDA_TRY(check_dtype("checkpoint_offsets", co, {DType::kInt32, DType::kInt64}));
     n_ckpt = co.sizes[1];
-    // The CUDA checkpoint pass launches N n_ckpt (V / rows a block) blocks on one grid dimension;
-    // N n_ckpt V < 2^31 bounds it for every row slicing, checked here before any kernel writes.
-    if (co.device == DeviceType::kCUDA && N > 0 && n_ckpt > (int64_t{0x7fffffff} / N) / V) {
-      return bad("checkpoint_offsets", "N x n_ckpt x V below 2^31 on CUDA",
-                 std::to_string(N) + " x " + std::to_string(n_ckpt) + " x " + std::to_string(V));
+    // The CUDA checkpoint pass launches N n_ckpt H (V / rows a block) blocks on one grid dimension;
+    // N n_ckpt H V < 2^31 bounds it for every row slicing, checked here before any kernel writes.
+    if (co.device == DeviceType::kCUDA && N > 0 && H > 0 && n_ckpt > ((int64_t{0x7fffffff} / N) / H) / V) {
+      return bad("checkpoint_offsets", "N x n_ckpt x H x V below 2^31 on CUDA",
+                 std::to_string(N) + " x " + std::to_string(n_ckpt) + " x " + std::to_string(H) + " x " +
+                     std::to_string(V));
     }
     FLASHKDA_TRY(check_shape("checkpoint_offsets", co, {N, n_ckpt}, "(N, n_ckpt)"));
     FLASHKDA_TRY(check_contiguous("checkpoint_offsets", co));

@@ -6,7 +6,7 @@
 // checkpoint_state[n, j] equals the final state of running the first o tokens alone.  Chunk-aligned
 // offsets (r = 0) need nothing and their blocks exit at once.
 //
-// Grid: (N x n_ckpt x D / 64 row slices, H).
+// Grid: N x n_ckpt x H x D / 64 row slices, one dimension, the checkpoint's index slowest.
 // Block: kAdvanceWarps<D> warps (8 at D = 128, 4 at D = 64), 64 state rows; each thread holds 16 fp32
 // columns of two rows (TokenLayout<D, kWarps>).
 // Chunk scheme: all r <= 63 tokens are preprocessed at once, r / kWarps a warp.  With 16-byte rows the
@@ -54,14 +54,23 @@ __global__ void __launch_bounds__(kAdvanceWarps<D> * 32, 2) checkpoint_advance_k
   if (*reinterpret_cast<volatile int*>(a.error_word) != 0) return;  // bad inputs: write nothing
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;  // exits below are block-uniform
-  const int64_t e = blockIdx.x / kSlices;                      // (sequence, checkpoint) pair
-  const int slice = static_cast<int>(blockIdx.x % kSlices);
-  const int h = blockIdx.y;
+  // Block order: row slice fastest, then sequence, head, and the checkpoint's index j slowest (the
+  // host checks that the grid fits 31 bits).  A checkpoint at a chunk boundary has nothing to do, and
+  // which ones are is data the host cannot read; with j slowest the blocks of one j, alike in practice
+  // (len / 3 and len in the bench), are dealt round-robin over the SMs together, not interleaved with
+  // the exiting ones.  Interleaved (j faster than h), the working blocks of a one-wave grid can land
+  // two on an SM and none on the next: ncu, 1x8192 H64, SMs active 56% of the kernel's cycles.
+  uint32_t x = blockIdx.x;
+  const int slice = static_cast<int>(x % kSlices);
+  x /= kSlices;
+  const int64_t n = x % static_cast<uint32_t>(a.N);
+  x /= static_cast<uint32_t>(a.N);
+  const int h = static_cast<int>(x % static_cast<uint32_t>(a.H));
+  const int64_t e = n * a.n_ckpt + x / static_cast<uint32_t>(a.H);  // (sequence, checkpoint) pair
   int vrow[kR];
 #pragma unroll
   for (int q = 0; q < kR; ++q) vrow[q] = TL::row(slice, q, warp, lane);
   const int j = lane % TL::kLanesPerRow;
-  const int64_t n = e / a.n_ckpt;
   if (state_row(a, n) < 0) return;  // padded sequence: its checkpoint rows stay untouched
   const SeqSpan sp = sequence_span(a, n);
   const int64_t o = load_index(a.ckpt_offsets, a.ckpt_int64, e);

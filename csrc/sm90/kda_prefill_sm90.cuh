@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <string>
 
 #include "flashkda/flashkda.h"
 #include "sm90/kda_checkpoint_advance.cuh"
@@ -102,13 +103,16 @@ Status launch_prefill(const PrefillArgs& a, int num_sms, cudaStream_t stream) {
     }
   }
   if (!st.ok() || a.ckpt_offsets == nullptr || a.n_ckpt <= 0) return st;
-  const int64_t blocks = static_cast<int64_t>(a.N) * a.n_ckpt * (D / AdvanceSmem<D>::kRows);
-  if (blocks > 0x7fffffff)
-    return Status::invalid("flashkda: argument 'checkpoint_offsets': too many checkpoints");
+  const int64_t blocks = static_cast<int64_t>(a.N) * a.n_ckpt * a.H * (D / AdvanceSmem<D>::kRows);
+  if (blocks > 0x7fffffff)  // unreachable: validation refuses N x n_ckpt x H x V >= 2^31 first
+    return Status::invalid(
+        "flashkda: argument 'checkpoint_offsets': expected N x n_ckpt x H x (D / 64) "
+        "below 2^31, got " +
+        std::to_string(blocks));
   e = set_smem_limit_once<checkpoint_advance_kernel<D>>(sizeof(AdvanceSmem<D>));
   if (e != cudaSuccess) return cuda_status(e, "checkpoint_advance smem attribute");
-  checkpoint_advance_kernel<D><<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(a.H)),
-                                 kAdvanceWarps<D> * 32, sizeof(AdvanceSmem<D>), stream>>>(a);
+  checkpoint_advance_kernel<D>
+      <<<static_cast<unsigned>(blocks), kAdvanceWarps<D> * 32, sizeof(AdvanceSmem<D>), stream>>>(a);
   return cuda_status(cudaGetLastError(), "checkpoint_advance launch");
 }
 

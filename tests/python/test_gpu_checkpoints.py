@@ -165,6 +165,23 @@ def test_misaligned_checkpoint_state_is_an_argument_error(gen):
     assert torch.isnan(out.float()).all() and torch.isnan(fs).all() and torch.isnan(ckpt).all()
 
 
+def test_too_many_checkpoint_blocks_is_an_argument_error(gen):
+    """checkpoint_advance runs N x n_ckpt x H x (V / 64) blocks on one grid dimension (the checkpoint's
+    index slowest); validation refuses N x n_ckpt x H x V >= 2^31 before any kernel writes.  Here
+    1 x 2^18 x 64 x 128 = 2^31 (the offsets fit in 1 MB; the check precedes checkpoint_state's shape)."""
+    inp = make_inputs([100], H=64, D=128, device=DEV, generator=gen)
+    offsets = torch.full((1, 1 << 18), 64, dtype=torch.int32, device=DEV)
+    ckpt = torch.full((1, 1, 64, 128, 128), float("nan"), device=DEV)
+    out = torch.full(inp["v"].shape, float("nan"), dtype=BF16, device=DEV)
+    fs = torch.full((1, 64, 128, 128), float("nan"), device=DEV)
+    with pytest.raises(ValueError, match=r"argument 'checkpoint_offsets': expected N x n_ckpt x H x V below 2\^31 "
+                                         r"on CUDA, got 1 x 262144 x 64 x 128"):
+        flashkda.prefill(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], out, final_state=fs,
+                         checkpoint_offsets=offsets, checkpoint_state=ckpt, **op_kwargs(inp))
+    torch.cuda.synchronize()
+    assert torch.isnan(out.float()).all() and torch.isnan(fs).all() and torch.isnan(ckpt).all()
+
+
 def test_checkpoints_graph_replay(gen):
     inp = make_inputs([300, 17], H=4, D=128, device=DEV, generator=gen)
     offsets = torch.tensor([[100, 300], [5, 17]], device=DEV)
