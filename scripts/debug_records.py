@@ -9,51 +9,25 @@ A GPU debugging aid (run on the H200): it tells whether a wrong result comes fro
 
 import argparse
 import math
+import os
+import sys
 
 import torch
 
 import flashkda
 from flashkda import reference as ref
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "python"))
+import record_oracle as O  # noqa: E402
+
 C = 64
 
 
-def sw128_index(rows: int, cols: int) -> torch.Tensor:
-    """Flat element index of (r, col) in the SW128 image of a 16-bit [rows][cols] tile (kda_sw128.h's
-    sw128_element): 64-column halves of rows x 128 bytes, the 16-byte pieces of a row XOR-ed by r & 7."""
-    r = torch.arange(rows)[:, None]
-    col = torch.arange(cols)[None, :]
-    byte = (col >> 6) * (rows * 128) + r * 128 + ((((col & 63) >> 3) ^ (r & 7)) << 4)
-    return byte // 2 + (col & 7)
-
-
-def unswizzle(t: torch.Tensor) -> torch.Tensor:
-    """The row-major [rows][cols] matrix of a record tile stored as its SW128 image."""
-    rows, cols = t.shape
-    return t.reshape(-1)[sw128_index(rows, cols).to(t.device)]
-
-
 def record_views(ws: torch.Tensor, slot: int, h: int, H: int, D: int):
-    rec_bytes = 3 * C * D * 2 + 2 * C * C * 2 + D * 4 + 128
-    base = 4096 + (slot * H + h) * rec_bytes  # after the error header (kWorkspaceHeaderBytes)
-    raw = ws.view(torch.uint8)[base: base + rec_bytes]
-    off = 0
-
-    def take(nbytes, dtype, shape):
-        nonlocal off
-        t = raw[off: off + nbytes].view(dtype).reshape(shape)
-        off += nbytes
-        return t
-
-    KT = unswizzle(take(C * D * 2, torch.bfloat16, (C, D)))
-    QT = unswizzle(take(C * D * 2, torch.bfloat16, (C, D)))
-    KD = unswizzle(take(C * D * 2, torch.float16, (C, D)))
-    TB = unswizzle(take(C * C * 2, torch.float16, (C, C)))
-    MQK = unswizzle(take(C * C * 2, torch.float16, (C, C)))
-    gamma = take(D * 4, torch.float32, (D,))
-    tb_s, mqk_s, kd_s = (int(x) for x in take(12, torch.int32, (3,)).tolist())
-    return dict(KT=KT, QT=QT, KD=KD.double() * 2.0 ** kd_s, TB=TB.double() * 2.0 ** tb_s,
-                MQK=MQK.double() * 2.0 ** mqk_s, gamma=gamma)
+    """The true tiles of one record (shifts undone), read by the GPU tests' record model
+    (tests/python/record_oracle.py: KT / QT / KD SW128 images, TB / MQK packed triangles)."""
+    rec = O.unshifted(O.read_record(ws.view(torch.uint8), slot, h, H, D))
+    return {name: rec[name] for name in ("KT", "QT", "KD", "TB", "MQK", "gamma")}
 
 
 def expected_records(q, k, v, a, b, scale):

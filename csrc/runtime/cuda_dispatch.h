@@ -13,10 +13,12 @@ namespace detail {
 // kernels one per block; read_device_error reports the first non-zero one).
 constexpr size_t kWorkspaceHeaderBytes = 4096;
 constexpr int64_t kChunkTokens = 64;
-// Bytes of one chunk record (sm90::ChunkRecord<D>): W, QT, KD [C][D] 16-bit, TB and MQK [C][C]
-// fp16, gamma [D] fp32, a 128-byte tail (the shifts).
+// Bytes of one chunk record (sm90::ChunkRecord<D>): KT, QT, KD [C][D] 16-bit, TB and MQK [C][C] fp16
+// lower-triangular, packed to their 10 nonzero 16 x 16 blocks (5120 bytes each: sm90::kTri64Bytes),
+// gamma [D] fp32, a 128-byte tail (the shifts).
+constexpr int64_t kTriTileBytes = 5120;
 constexpr size_t chunk_record_bytes(int64_t d) {
-  return static_cast<size_t>(3 * kChunkTokens * d * 2 + 2 * kChunkTokens * kChunkTokens * 2 + d * 4 + 128);
+  return static_cast<size_t>(3 * kChunkTokens * d * 2 + 2 * kTriTileBytes + d * 4 + 128);
 }
 
 // Context parallelism of the CUDA prefill (few sequences x heads: each sequence is cut into

@@ -28,14 +28,15 @@
 //   4b. beside those walks (a dependent chain on warps 0-2), warps 3-7 write QT = scale q 2^G,
 //      KT = k 2^G (bf16), KD = k 2^(G_last - G) (fp16, shifted) to the chunk record.  Every exponent
 //      here is <= 0.
-//   5. Tb = T_inv diag(b) 2^-shift_t (fp16, |Tb'| < 2) goes to the record (its SW128 image staged over
-//      G, one TMA bulk store).  The walk forms VnT = (v^T - S KT^T) Tb^T itself, so neither v nor W
-//      nor U is handled here.  fp16's 11-bit mantissa on T_inv is what keeps the state error well
-//      under bf16's.
+//   5. Tb = T_inv diag(b) 2^-shift_t (fp16, |Tb'| < 2) goes to the record (its packed triangle image,
+//      tri64_offset, staged over G, one TMA bulk store).  The walk forms VnT = (v^T - S KT^T) Tb^T itself, so
+//      neither v nor W nor U is handled here.  fp16's 11-bit mantissa on T_inv is what keeps the state error
+//      well under bf16's.
 // Issue slots, not memory, bind outside phase 1: instructions cut in the prologue paid ~1:1 in time,
 // in phases 2-5 ~0.5:1, in phase 1 nothing (perf-notes v24), so index math there is kept lean.
 // Shared memory (D = 128): q, k 16-bit 2 x 17.4 KB, G fp32 34.8 KB (later the staged Tb), L fp32
-// 17.4 KB, T_inv fp32 17.4 KB, staged MQK 8 KB: 112.3 KB, two blocks per SM (113 KB allowed).
+// 17.4 KB, T_inv fp32 17.4 KB, staged MQK 5 KB (its packed triangle): 109.2 KB, two blocks per SM
+// (113 KB allowed).
 #pragma once
 
 #include <cuda_fp16.h>
@@ -73,14 +74,14 @@ struct PrepareSmem {
   // block (J, 3), which nothing else reads (Tb takes the lower blocks only).
   static constexpr int kTinvBytes = kChunk * kLdT * 4;
   static constexpr int kTi = kEnd;  // fp32 T_inv [C][kLdT]
-  // MQK [C][C] fp16 staged as its record image in a buffer of its own (nothing is dead in phase 3),
-  // stored by one TMA bulk copy right after phase 3.
+  // MQK [C][C] fp16 staged as its packed record image (tri64_offset, kda_sw128.h) in a buffer of its
+  // own (nothing is dead in phase 3), stored by one TMA bulk copy right after phase 3.
   static constexpr int kMqkSt = (kEnd + kTinvBytes + 15) / 16 * 16;
-  static constexpr int kBytes = kMqkSt + kChunk * kChunk * 2;
-  // The Tb [C][C] record tile is staged as its SW128 image (sw128_element, kda_sw128.h) over G (dead
-  // after phase 3) for one TMA bulk store.
+  static constexpr int kBytes = kMqkSt + kTri64Bytes;
+  // The Tb [C][C] record tile is staged as its packed image over G (dead after phase 3) for one TMA
+  // bulk store.
   static constexpr int kTbSt = kG;
-  static_assert(kTbSt + kChunk * kChunk * 2 <= kL, "staged Tb must fit over G");
+  static_assert(kTbSt + kTri64Bytes <= kL, "staged Tb must fit over G");
   static_assert(kTbSt % 16 == 0, "bulk stores read 16-byte aligned shared memory");
   // Two blocks per SM: 228 KB of shared memory an SM, 1 KB of it reserved per block.
   static_assert(D != 128 || 2 * (kBytes + 1024) <= 228 * 1024, "chunk_prepare must fit two blocks per SM");
@@ -226,7 +227,7 @@ __device__ inline void load8_qk(const uint16_t* p, bool fp16, float (&x)[8]) {
   }
 }
 
-// The 16-bit record element (r, col) of a C-row tile (QT, KD, TB, MQK: ChunkRecord's SW128 images).
+// The 16-bit record element (r, col) of a C-row tile (KT, QT, KD: ChunkRecord's SW128 images).
 __device__ inline bf16* record_element(bf16* tile, int r, int col) {
   return tile + sw128_element<kChunk>(r, col);
 }
@@ -239,24 +240,20 @@ __device__ inline float2 lk_row_b(const float* sB, int I, int lane) {
   return make_float2(sB[r], sB[r + 8]);
 }
 
-// The lane's fragment pairs of block (I, J) in MQK's staged record image (SW128, sw128_element<kChunk>):
-// pair (nt, hh) is the element (16 I + g + 8 hh, 16 J + 8 nt + 2 t).  Column +8 from a column whose bit 3 is
-// clear is the neighbouring 16-byte piece (the piece index's bit 0 flipped: element offset ^ 8) and row +8
-// keeps the swizzle phase (row & 7), so it is 8 rows of 64 elements further: one address computation a
-// block for the four pairs (per pair, the swizzle took ~6 integer instructions).
+// The lane's fragment pairs of block (I, J), J <= I, in MQK's staged packed image (tri64_element): pair
+// (nt, hh) is the element (16 I + g + 8 hh, 16 J + 8 nt + 2 t).  Column +8 is the next core matrix of the
+// K step (128 bytes on) and row +8 the next row group (256 bytes on): one address a block for the four
+// pairs.  A warp's store of one pair covers one core matrix (rows g, 16-byte rows): conflict-free.
 // test_layouts.cpp (SharedMemoryLayout.MqkFragmentPairs) checks both properties.
 struct MqkPairs {
-  uint32_t* p0;                                    // (nt = 0, hh = 0); hh = 1 at p0 + kRowStep
-  uint32_t* p1;                                    // (nt = 1, hh = 0)
-  static constexpr int kRowStep = 8 * kChunk / 2;  // 8 rows, in 32-bit words
+  uint32_t* p0;                                                 // (nt = 0, hh = 0)
+  static constexpr int kColStep = 128 / 4, kRowStep = 256 / 4;  // in 32-bit words
   __device__ MqkPairs(bf16* mqk, int I, int J, int lane) {
-    const int e = sw128_element<kChunk>(16 * I + (lane >> 2), 16 * J + 2 * (lane & 3));
-    p0 = reinterpret_cast<uint32_t*>(mqk + e);
-    p1 = reinterpret_cast<uint32_t*>(mqk + (e ^ 8));
+    p0 = reinterpret_cast<uint32_t*>(mqk + tri64_element(16 * I + (lane >> 2), 16 * J + 2 * (lane & 3)));
   }
-  __device__ uint32_t* at(int nt, int hh) const { return (nt ? p1 : p0) + hh * kRowStep; }
+  __device__ uint32_t* at(int nt, int hh) const { return p0 + nt * kColStep + hh * kRowStep; }
 };
-static_assert(kChunk == 64, "MqkPairs: one SW128 half of 64 columns (128-byte rows)");
+static_assert(kChunk == 64, "MqkPairs: MQK is a 64 x 64 packed triangle");
 
 // Writes off-diagonal block (I, J), J < I, of L (fp32, smem) and MQK (fp16, its staged record image;
 // `scale` includes MQK's shift) from mma accumulators (2 n-tiles).  `b`: lk_row_b(sB, I, lane).  Every
@@ -515,7 +512,7 @@ __device__ inline void lk_block_pairwise(const uint16_t* sQ, const uint16_t* sK,
       }
       if (lane == 0) {
         sL[i * PrepareSmem<D>::kLdT + j] = (jj < ii) ? sB[i] * pl : 0.f;
-        *reinterpret_cast<__half*>(record_element(mqk, i, j)) =
+        *reinterpret_cast<__half*>(mqk + tri64_element(i, j)) =
             __float2half_rn((jj <= ii) ? scale * pm : 0.f);
       }
     }
@@ -984,7 +981,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   }
   __syncthreads();
 
-  // ---- 2. gamma, the fp16 shifts, MQK's zero blocks (QT, KT, KD: phase 4b) ---------------------------
+  // ---- 2. gamma and the fp16 shifts (QT, KT, KD: phase 4b) ---------------------------------------------
   bf16* rKT = reinterpret_cast<bf16*>(rec + ChunkRecord<D>::kKT);
   bf16* rQT = reinterpret_cast<bf16*>(rec + ChunkRecord<D>::kQT);
   bf16* rKD = reinterpret_cast<bf16*>(rec + ChunkRecord<D>::kKD);
@@ -1021,17 +1018,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
               (gm - sG[(16 * I + 15) * ldf + tid] > kMaxHalfSpanLog2);
     }
   }
-  // Upper blocks of MQK are zero (the state pass multiplies the whole 64x64 tile).  Warp w < 6 zeroes the
-  // w-th upper block (I, J) in row-major order, lane l its 16-byte piece (row l % 16, column half l / 16):
-  // one store a thread where a strided loop over all pieces testing each took ~60 instructions a warp.
-  // A quarter warp stores one column piece of 8 consecutive rows: distinct banks in the SW128 image.
-  static_assert((kChunk / kSub) * (kChunk / kSub - 1) / 2 == 6 && kSub * kSub / 8 == 32,
-                "one upper block a warp, one 16-byte piece a lane");
-  if (warp < 6) {
-    const int I = warp < 3 ? 0 : (warp < 5 ? 1 : 2), J = warp < 3 ? warp + 1 : (warp < 5 ? warp - 1 : 3);
-    *reinterpret_cast<uint4*>(record_element(sMQK, kSub * I + (lane & 15), kSub * J + 8 * (lane >> 4))) =
-        make_uint4(0u, 0u, 0u, 0u);
-  }
+  // MQK's upper blocks are not in its packed image (the walk keeps them zero in its own): nothing to store.
   const bool pairwise_diag = __syncthreads_or(over) != 0;
   const float mqk_scale = scale * pow2i(-sMax[5]);  // MQK's scale with its shift
 
@@ -1078,7 +1065,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   fence_proxy_async_shared();  // MQK's staged writes, before the bulk copy reads them (async proxy)
   __syncthreads();
   if (tid == 0) {  // waited for (its shared-memory read) with Tb's before the block exits
-    bulk_store(rMQK, sMQK, kChunk * kChunk * 2);
+    bulk_store(rMQK, sMQK, kTri64Bytes);
     bulk_store_commit();
   }
 
@@ -1152,8 +1139,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   constexpr int kTbRows = kChunk * kChunk / 4 / kPrepareThreads;
   static_assert(kTbRows == 4 && kChunk / 4 == 16, "4 rows of 4 columns a thread, 16 threads a row");
   const int tid5 = thread_index_here();  // not tid (thread_index_here says why)
-  // >> and &: tid5 is not known to be non-negative, and a signed / 16, % 16 took 5 instructions (and kept
-  // tb_c4 < 64 from folding the column half out of record_element below)
+  // >> and &: tid5 is not known to be non-negative, and a signed / 16, % 16 took 5 instructions
   const int tb_rg = tid5 >> 4, tb_c4 = (tid5 & 15) * 4, tb_cb = tb_c4 / 16;  // tb_cb: column block
   float4 tbv[kTbRows];
   {
@@ -1178,25 +1164,27 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   }
   __syncthreads();
   const int shift_t = pow2_shift(__int_as_float(sMax[2]), 1);  // |Tb 2^-shift_t| < 2
-  // Tb's record image (the walk's B operand of VnT = XT Tb^T), over G (phase 4b was its last reader).
+  // Tb's packed record image (the walk's B operand of VnT = XT Tb^T), over G (phase 4b was its last
+  // reader): the blocks (i, tb_cb) with tb_cb <= i; the upper ones are not in the image.
   bf16* sTbSt = reinterpret_cast<bf16*>(smem + SM::kTbSt);
   {
-    // The image's 64 columns are one SW128 half (128 bytes a row) and rows 16 apart share r & 7, hence
-    // the swizzle: row rg + 16 i is 16 i x 64 elements past row rg.
-    static_assert(kChunk == 64, "one SW128 half a row");
-    bf16* dst = record_element(sTbSt, tb_rg, tb_c4);
+    // Row rg + 16 i is two row groups (512 bytes, 256 elements) past row rg in the same K step.
+    static_assert(kChunk == 64, "a 64 x 64 packed triangle");
+    bf16* dst = sTbSt + tri64_element(tb_rg, tb_c4);
     const float st = pow2i(-shift_t);
 #pragma unroll
     for (int i = 0; i < kTbRows; ++i) {
-      *reinterpret_cast<uint2*>(dst + 16 * i * kChunk) =
-          make_uint2(pack_f16(tbv[i].x * st, tbv[i].y * st), pack_f16(tbv[i].z * st, tbv[i].w * st));
+      if (tb_cb <= i) {
+        *reinterpret_cast<uint2*>(dst + 256 * i) =
+            make_uint2(pack_f16(tbv[i].x * st, tbv[i].y * st), pack_f16(tbv[i].z * st, tbv[i].w * st));
+      }
     }
   }
   if (tid == 0) *reinterpret_cast<int*>(rec + ChunkRecord<D>::kShifts) = shift_t;
   fence_proxy_async_shared();  // the staged Tb image, before the bulk copy reads it (async proxy)
   __syncthreads();
   if (tid == 0) {
-    bulk_store(rTb, sTbSt, kChunk * kChunk * 2);
+    bulk_store(rTb, sTbSt, kTri64Bytes);
     bulk_store_commit();
     bulk_store_wait_read();  // the block's shared memory lives until its last thread exits
   }

@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "flashkda/flashkda.h"
+#include "sm90/kda_sw128.h"  // kTri64Bytes: ChunkRecord's packed triangles
 
 namespace flashkda {
 namespace sm90 {
@@ -205,17 +206,19 @@ __device__ inline int64_t state_row_resolve(const PrefillArgs& a, uint32_t lo, u
 
 // ---------------------------------------------------------------------------------------------
 // Per-chunk record in the workspace, written by chunk_prepare, read by state_recurrence.
-// Every 16-bit matrix is stored as the SW128 shared-memory image its reader uses (kda_sw128.h:
+// KT, QT, KD are stored as the SW128 shared-memory image their reader uses (kda_sw128.h:
 // sw128_offset<rows>, 128-byte rows of 16-byte pieces XOR-swizzled by row & 7, 64-column halves
-// one after the other), so that state_recurrence moves each tile with one TMA bulk copy.  The
-// matrices below are listed by their logical row-major shape.
+// one after the other), so that state_recurrence moves each tile with one TMA bulk copy; the
+// lower-triangular TB and MQK as packed no-swizzle images (tri64_offset: their zero blocks omitted,
+// 5120 of 8192 bytes), which the walk's wgmma read as they are.  The matrices below are listed by their
+// logical row-major shape.
 //   KT  [C][K]  = k * exp(G)
 //   QT  [C][K]  = scale * q * exp(G)
 //   KD  [C][K]  fp16 = k * exp(G_last - G) * 2^-KD_SHIFT
-//   TB  [C][C]  fp16 = T_inv diag(b) * 2^-TB_SHIFT (block-lower; the walk forms
+//   TB  [C][C]  fp16 = T_inv diag(b) * 2^-TB_SHIFT (block-lower, packed: tri64_offset; the walk forms
 //               VnT = (v^T - S KT^T) TB^T itself from the raw v rows, so v is read once, by the walk,
 //               and neither W = TB kt nor U = TB v is ever formed)
-//   MQK [C][C]  fp16 = lower_incl(qt @ kb^T) * 2^-MQK_SHIFT (scale included)
+//   MQK [C][C]  fp16 = lower_incl(qt @ kb^T) * 2^-MQK_SHIFT (scale included; packed: tri64_offset)
 //   GAMMA [K] fp32 = exp(G_last)
 //   tail: int32 TB_SHIFT, MQK_SHIFT, KD_SHIFT (128 bytes).  The power-of-two shifts keep the fp16
 //   values in range for any finite input; fp16's 11-bit mantissa is what keeps the error low.
@@ -226,8 +229,8 @@ struct ChunkRecord {
   static constexpr int kQT = kKT + kChunk * D * 2;
   static constexpr int kKD = kQT + kChunk * D * 2;
   static constexpr int kTb = kKD + kChunk * D * 2;
-  static constexpr int kMQK = kTb + kChunk * kChunk * 2;
-  static constexpr int kGamma = kMQK + kChunk * kChunk * 2;
+  static constexpr int kMQK = kTb + kTri64Bytes;  // Tb and MQK: packed triangles (kda_sw128.h)
+  static constexpr int kGamma = kMQK + kTri64Bytes;
   static constexpr int kShifts = kGamma + D * 4;  // TB, MQK, KD shifts (int32)
   static constexpr int kBytes = kShifts + 128;
   static_assert(kBytes % 128 == 0, "records must keep 128-byte alignment");

@@ -4,8 +4,8 @@
 // warp w owns state rows v in [v0 + 16w, v0 + 16w + 16) as fp32 accumulators in registers (16 x D
 // per warp, the wgmma accumulator layout), so warps never exchange state.  Per chunk, with the chunk
 // record of chunk_prepare and the chunk's v rows (the block's V slice) in shared memory, each
-// warpgroup runs on its 64 rows (sm_90a wgmma, A from registers, B from the record's SW128 tiles,
-// kda_wgmma.cuh):
+// warpgroup runs on its 64 rows (sm_90a wgmma, A from registers, B from the record's tiles: KT, QT, KD
+// SW128, Tb and MQK packed triangles in the no-swizzle layout, kda_sw128.h / kda_wgmma.cuh):
 //   XT  = v^T - S KT^T          (64 x C: 8 m64n64k16 bf16; the accumulator starts from v^T)
 //   VnT = XT Tb^T               (64 x C: 4 m64n64k16 fp16, XT shifted into fp16)
 //   OT  = S QT^T + VnT MQK^T    (64 x C: 8 + 4 m64n64k16, bf16 / fp16)
@@ -17,16 +17,15 @@
 // they stay off the state's chain.
 // With mma.sync each warp loaded every B fragment itself (8 warps x ~56 KB of ldmatrix a chunk);
 // wgmma reads each tile once per warpgroup.  The record of chunk c+1 streams in while chunk c is
-// computed (2 stages), issued right after the chunk's one block barrier by one thread as TMA bulk
-// copies (one per tile: the record holds each tile as its SW128 shared-memory image) completing on
-// the stage's mbarrier; with cp.async every thread issued ~20-40 16-byte copies a chunk between the
-// barrier and the first wgmma.  The chunk's v rows (16 KB at NW = 8) do come by cp.async, 4 a
-// thread: bulk copies of 64 rows would be 64 issues from uniform registers, one lane at a time.  The
-// output tile goes through shared memory so that global stores are 16-byte rows; it is
-// double-buffered and stored during the next chunk's first wgmma batch (one barrier per chunk
-// instead of two).
-// Shared memory (D = 128, NW = 8): 2 stages x (KT, QT, KD 3 x 16 KB + MQK, Tb 2 x 8 KB + v rows 17 KB
-// + gamma, rounded to 1 KB) + 2 output tiles x 17 KB + 2 mbarriers + 1 KB alignment: 201 KB.
+// computed (2 stages), issued right after the chunk's one block barrier as TMA bulk copies (one per
+// tile: the record holds each tile as its shared-memory image) completing on the stage's mbarrier; with
+// cp.async every thread issued ~20-40 16-byte copies a chunk between the barrier and the first wgmma.  The
+// chunk's v rows (16 KB at NW = 8) do come by cp.async, 4 a thread: bulk copies of 64 rows would be 64 issues
+// from uniform registers, one lane at a time.  The output tile goes through shared memory so that global
+// stores are 16-byte rows; it is double-buffered and stored during the next chunk's first wgmma batch (one
+// barrier per chunk instead of two). Shared memory (D = 128, NW = 8): 2 stages x (KT, QT, KD 3 x 16 KB + MQK,
+// Tb 2 x 5 KB + v rows 17 KB
+// + gamma, rounded to 1 KB) + 2 output tiles x 17 KB + 2 mbarriers + 1 KB alignment: 195 KB.
 //
 // Launch: the 8-warp whole walk follows chunk_prepare with programmatic stream serialisation
 // (kda_prefill_sm90.cuh): the prologue up to the spans (and the pool row's load) runs before
@@ -61,18 +60,19 @@ template <int D, int NW, bool kMap = false>
 struct RecurrenceSmem {
   static constexpr int kVs = 16 * NW;  // state rows per block
   static constexpr int kLdO = kVs + 8;
-  // KT, QT, KD (C x D) and MQK (C x C): SW128 tiles (kda_wgmma.cuh), the B operands of the wgmma.
+  // KT, QT, KD (C x D): SW128 tiles (kda_wgmma.cuh), the B operands of the wgmma; MQK and Tb below.
   static constexpr int kTile = kChunk * D * 2;
   static constexpr int kKT = 0;
   static constexpr int kQT = kKT + kTile;
   static constexpr int kKD = kQT + (kMap ? 0 : kTile);
   static constexpr int kMQK = kKD + kTile;
-  // Tb [C][C] fp16: SW128, K-major B of XT Tb^T (1024-aligned: kMQK is, and MQK is 8 KB).
-  static constexpr int kTb = kMQK + (kMap ? 0 : kChunk * kChunk * 2);
+  // MQK and Tb [C][C] fp16: packed triangles as in the record (tri64_offset), the K-major B operands of
+  // OT += VnT MQK^T and VnT = XT Tb^T, K step ks reading only its rows 16 ks .. 63 (wgmma_f16_tail_rs).
+  static constexpr int kTb = kMQK + (kMap ? 0 : kTri64Bytes);
   // The chunk's v rows, this block's kVs columns (bf16), padded by 16 bytes so that the 8 rows of an
   // ldmatrix.trans hit 8 different bank groups; 16-byte cp.async by every thread (copy_v_rows_async).
   static constexpr int kLdV = kVs + 8;
-  static constexpr int kV = kTb + kChunk * kChunk * 2;
+  static constexpr int kV = kTb + kTri64Bytes;
   static constexpr int kGamma = kV + kChunk * kLdV * 2;
   static constexpr int kShift = kGamma + D * 4;  // Tb, MQK, KD shifts (int32), copied with gamma
   static constexpr int kGammaCopy = D * 4 + 16;
@@ -85,11 +85,36 @@ struct RecurrenceSmem {
   static_assert(kMap || 2 * kOutTile >= 32 * NW * 8 + 4, "longest-first scratch fits the out tiles");
   static_assert(kBytes <= 227 * 1024, "a block's shared memory must fit an SM");
   static_assert(!kMap || 2 * (kBytes + 1024) <= 228 * 1024, "the map pass runs two blocks per SM");
-  static_assert(kTile % 1024 == 0 && kMQK % 1024 == 0 && kTb % 1024 == 0,
-                "SW128 tiles must be 1024-byte aligned");
+  static_assert(kTile % 1024 == 0, "SW128 tiles must be 1024-byte aligned");
+  static_assert(kMQK % 16 == 0 && kTb % 16 == 0, "no-swizzle operands and bulk copies: 16-byte aligned");
   static_assert(kV % 16 == 0 && (kLdV * 2) % 16 == 0 && kGamma % 16 == 0 && kBar % 8 == 0,
                 "bulk copy / ldmatrix / mbarrier alignment");
 };
+
+// D = A B^T with B a 64 x 64 packed triangle (tri64) at shared address `tri`, in m64n16k16 blocks: D's
+// column block J (tiles 2 J, 2 J + 1) takes K steps 0 .. J (B's row block J of step ks is 512 (J - ks)
+// bytes into the step), the first overwriting: 10 blocks where a full tile takes 16.  Only m64n16k16 on
+// D: an accumulator shared with other shapes made ptxas serialise the kernel's wgmma (C7511).
+__device__ __forceinline__ void triangle_product_first(float (&d)[8][4], const uint32_t (&a)[4][4],
+                                                       uint32_t tri) {
+#pragma unroll
+  for (int J = 0; J < 4; ++J) {
+#pragma unroll
+    for (int ks = 0; ks <= J; ++ks) {
+      const uint64_t desc = tri64_desc(tri + tri64_step_record(ks) + 512 * (J - ks));
+      if (ks == 0) {
+        if (J == 0) wgmma_m64n16k16_f16_rs<0, false>(d, a[0], desc);
+        if (J == 1) wgmma_m64n16k16_f16_rs<2, false>(d, a[0], desc);
+        if (J == 2) wgmma_m64n16k16_f16_rs<4, false>(d, a[0], desc);
+        if (J == 3) wgmma_m64n16k16_f16_rs<6, false>(d, a[0], desc);
+      } else {
+        if (J == 1) wgmma_m64n16k16_f16_rs<2>(d, a[ks], desc);
+        if (J == 2) wgmma_m64n16k16_f16_rs<4>(d, a[ks], desc);
+        if (J == 3) wgmma_m64n16k16_f16_rs<6>(d, a[ks], desc);
+      }
+    }
+  }
+}
 
 // A 16 x 64 accumulator tile times `scale` as the fp16 A fragments of four k16 steps (the accumulator's
 // n-tiles 2 ks and 2 ks + 1 are step ks's k halves).
@@ -129,7 +154,7 @@ __device__ inline void issue_record_copies(const char* rec, unsigned char* stage
   using R = ChunkRecord<D>;
   static_assert(R::kShifts == R::kGamma + D * 4, "gamma and the shifts are one run");
   constexpr uint32_t bytes =
-      2 * SM::kTile + (kMap ? 0 : SM::kTile + kChunk * kChunk * 2) + kChunk * kChunk * 2 + SM::kGammaCopy;
+      2 * SM::kTile + (kMap ? 0 : SM::kTile + kTri64Bytes) + kTri64Bytes + SM::kGammaCopy;
   if (expects) mbar_arrive_expect_tx(full, bytes);
   if (mine(0)) bulk_load(stage + SM::kKT, rec + R::kKT, SM::kTile, full);
   if constexpr (!kMap) {
@@ -137,9 +162,9 @@ __device__ inline void issue_record_copies(const char* rec, unsigned char* stage
   }
   if (mine(2)) bulk_load(stage + SM::kKD, rec + R::kKD, SM::kTile, full);
   if constexpr (!kMap) {
-    if (mine(3)) bulk_load(stage + SM::kMQK, rec + R::kMQK, kChunk * kChunk * 2, full);
+    if (mine(3)) bulk_load(stage + SM::kMQK, rec + R::kMQK, kTri64Bytes, full);
   }
-  if (mine(4)) bulk_load(stage + SM::kTb, rec + R::kTb, kChunk * kChunk * 2, full);
+  if (mine(4)) bulk_load(stage + SM::kTb, rec + R::kTb, kTri64Bytes, full);
   if (mine(5)) bulk_load(stage + SM::kGamma, rec + R::kGamma, SM::kGammaCopy, full);
 }
 
@@ -611,7 +636,7 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
     // XT's maximum, and Tb' is normalised, so VnT' peaks 7-10 binades under fp16's top and 18 or more
     // above its subnormals; numerics_study.py section (10)).
     // shift_n + sx >= -60 bounds the unscaled VnT's shift as before the pre-scale: a tiny VnT (tiny b)
-    // under a large pre-scale would otherwise push o_down / s_down past 2^120 and the products to inf.
+    // under a large pre-scale would otherwise push o_up / s_down past 2^120 and the products to inf.
     const int shift_n = max(8, -60 - sx);
     // S = S diag(gamma) + VnT KD.  Every shift is known before XT is, so S diag(gamma) 2^-s_shift is
     // formed while XT's products run (they and OT's read the bf16 copy `sa`, not S), pinned there: the
@@ -642,11 +667,8 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
     // the compiler placed after XT's wait (on the chain) or inside OT's batch (C7519).
     float vn[8][4];
     wgmma_fence();
-    wgmma_m64n64k16_rs<__half, 1, 0, false>(vn, xa[0], sw128_desc(st + SM::kTb, 16, 1024));
-#pragma unroll
-    for (int ks = 1; ks < 4; ++ks) {  // Tb K-major: a k16 step is 32 bytes
-      wgmma_m64n64k16_rs<__half, 1, 0>(vn, xa[ks], sw128_desc(st + SM::kTb + ks * 32, 16, 1024));
-    }
+    // Tb is a packed triangle: K step ks holds only rows (VnT's columns) 16 ks .. 63.
+    triangle_product_first(vn, xa, st + SM::kTb);
     wgmma_commit();
     // OT = S QT^T is off the state's chain: issued after VnT's products (the tensor pipe runs groups
     // in order), it runs while VnT is converted and the state's update is issued.
@@ -666,8 +688,10 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
     uint32_t va[4][4];
     acc_to_a_f16(vn, pow2i(-shift_n), va);
     // S += VnT KD (KD N-major: rows are the k16 steps' tokens, 2048 bytes a step, halves LBO apart),
-    // then, once OT's first products are done, OT += VnT MQK^T (MQK K-major: rows are tokens; its
-    // upper blocks are zero in the record).
+    // and VnT MQK^T (MQK K-major: rows are tokens; a packed triangle, its upper blocks neither stored
+    // nor multiplied) into an accumulator of its own, added to OT below: on OT itself, its m64n16k16
+    // blocks beside OT's m64n64k16 made ptxas serialise every wgmma of the kernel (C7511), and OT's
+    // own products would have to be done before these are issued.
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
@@ -678,33 +702,24 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
         wgmma_m64n64k16_rs<__half, 1, 1>(s, va[ks], dk);
       }
     }
+    float om[8][4];
+    if constexpr (!kMap) triangle_product_first(om, va, st + SM::kMQK);
     wgmma_commit();
     // The output's and the state's scale-backs, formed only now (registers are scarce above).
     const int o_shift = sx + shift_n + shifts[1];
-    const float o_down = pow2i_sat(-o_shift), o_up = pow2i_sat(o_shift);
+    const float o_up = pow2i_sat(o_shift);
     const float s_up = pow2i_sat(s_shift);
-    if constexpr (!kMap) {
-      wgmma_wait<1>();  // OT's first products (the state update may still run)
-      wgmma_fence_operands(o);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[j][e] *= o_down;
-      }
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks)
-        wgmma_m64n64k16_rs<__half, 1, 0>(o, va[ks], sw128_desc(st + SM::kMQK + ks * 32, 16, 1024));
-      wgmma_commit();
-    }
     wgmma_wait<0>();
     wgmma_fence_operands(s);
-    if constexpr (!kMap) wgmma_fence_operands(o);
     if constexpr (!kMap) {
+      wgmma_fence_operands(o);
+      wgmma_fence_operands(om);
+      // OT = S QT^T + (VnT' MQK'^T) 2^o_shift: one rounding, as (OT 2^-o_shift + VnT' MQK'^T) 2^o_shift
+      // had (the power of two is exact).
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) o[j][e] *= o_up;
+        for (int e = 0; e < 4; ++e) o[j][e] = fmaf(om[j][e], o_up, o[j][e]);
       }
     }
 #pragma unroll

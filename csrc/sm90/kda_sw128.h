@@ -36,5 +36,27 @@ FLASHKDA_HOST_DEVICE int sw128_element(int r, int col) {
   return (sw128_offset<R>(r, col & ~7) >> 1) + (col & 7);
 }
 
+// Lower-triangular 64 x 64 tiles (Tb, MQK: zero where column block > row block, in 16 x 16 blocks) as
+// packed K-major images without swizzle ("tri64"), in the record and in the walk's shared memory alike,
+// the wgmma's no-swizzle canonical layout of 8-row x 16-byte core matrices.  K step ks (columns 16 ks ..
+// 16 ks + 15, one k16 B operand) holds only rows 16 ks .. 63 (the others are zero): core matrix (row group
+// g = r / 8, column piece p = (col / 8) & 1) at (g - 2 ks) * 256 + p * 128, row r & 7 at 16 bytes within
+// it (descriptor: LBO = 128 between the pieces along K, SBO = 256 between row groups), so the walk's
+// wgmma of step ks is N = 64 - 16 ks wide and adds into the accumulator's columns 16 ks ..  The steps
+// follow each other: 2048 + 1536 + 1024 + 512 = 5120 bytes for the 8192 of a full tile.
+constexpr int kTri64Bytes = 5120;
+
+// Where K step ks starts (bytes): the sum of the earlier steps, 2048 - 512 j each.
+FLASHKDA_HOST_DEVICE constexpr int tri64_step_record(int ks) { return 2048 * ks - 256 * ks * (ks - 1); }
+
+// Byte offset of the 16-bit element (r, col), col / 16 <= r / 16, in the packed image.
+FLASHKDA_HOST_DEVICE constexpr int tri64_offset(int r, int col) {
+  return tri64_step_record(col >> 4) + ((r >> 3) - 2 * (col >> 4)) * 256 + ((col >> 3) & 1) * 128 +
+         (r & 7) * 16 + (col & 7) * 2;
+}
+// Element offset.
+FLASHKDA_HOST_DEVICE constexpr int tri64_element(int r, int col) { return tri64_offset(r, col) >> 1; }
+static_assert(tri64_step_record(4) == kTri64Bytes, "the four steps fill the packed tile");
+
 }  // namespace sm90
 }  // namespace flashkda

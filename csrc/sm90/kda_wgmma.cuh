@@ -35,6 +35,14 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr, uint32_t lbo_byte
          static_cast<uint64_t>((sbo_bytes >> 4) & 0x3fff) << 32 | static_cast<uint64_t>(1) << 62;
 }
 
+// Descriptor of one K step of a packed-triangle tile's shared image (tri64, kda_sw128.h): layout type 0
+// (no swizzle, K-major core matrices of 8 rows x 16 bytes), LBO = 128 bytes between the step's two core
+// matrices along K, SBO = 256 bytes between row groups; 16-byte alignment suffices.
+__device__ __forceinline__ uint64_t tri64_desc(uint32_t saddr) {
+  return static_cast<uint64_t>((saddr & 0x3ffff) >> 4) | static_cast<uint64_t>(128 >> 4) << 16 |
+         static_cast<uint64_t>(256 >> 4) << 32;
+}
+
 // Register accesses before it are ordered before the wgmma that follow (accumulators, A fragments).
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() {
@@ -126,6 +134,30 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[16][4], const
                                                         uint64_t desc_b) {
   static_assert(kScaleA == 1 || kScaleA == -1, "scale-a is +-1");
   FLASHKDA_WGMMA_RS("m64n128k16", "f16", N128, d, a, desc_b);
+}
+
+// D(64 x 16, fp32) += A(64 x 16, fp16, registers) B(16 x 16, fp16, shared memory, K-major) into the
+// accumulator tiles kT0, kT0 + 1 (columns 8 kT0 .. 8 kT0 + 15) of a 64 x N accumulator: one 16 x 16
+// block of a packed triangle (tri64), whose zero blocks are neither stored nor multiplied.
+template <int kT0, bool kAccumulate = true, int M>
+__device__ __forceinline__ void wgmma_m64n16k16_f16_rs(float (&d)[M][4], const uint32_t (&a)[4],
+                                                       uint64_t desc_b) {
+  static_assert(kT0 >= 0 && kT0 + 2 <= M && kT0 % 2 == 0, "a tile pair of the accumulator");
+  if constexpr (kAccumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, "
+        "{%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+        : FLASHKDA_WGMMA_D4(d, kT0), FLASHKDA_WGMMA_D4(d, kT0 + 1)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, "
+        "{%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+        : FLASHKDA_WGMMA_W4(d, kT0), FLASHKDA_WGMMA_W4(d, kT0 + 1)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+  }
 }
 
 #undef FLASHKDA_WGMMA_RS

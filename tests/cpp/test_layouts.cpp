@@ -2,8 +2,9 @@
 // operands (csrc/sm90/kda_sw128.h), against the hardware's 128-byte swizzle as the PTX ISA defines
 // it, and the properties the kernels rely on (a permutation of the tile's 16-byte pieces, whole
 // pieces per 8-row group, no bank conflict for 8 rows of one piece column); the record tiles, which
-// are SW128 images; and chunk_prepare's staging of them: no bank conflict for the mma fragment stores.
-// Also the longest-first walk order (csrc/sm90/kda_walk_order.h): every (sequence, head) once.
+// are SW128 images, and the packed triangles (Tb, MQK: tri64) with the walk's descriptors of them; and
+// chunk_prepare's staging of them: no bank conflict for the mma fragment stores. Also the longest-first walk
+// order (csrc/sm90/kda_walk_order.h): every (sequence, head) once.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -93,23 +94,70 @@ TEST(SharedMemoryLayout, RecordTilesAreSw128Images) {
   }
 }
 
+// Shared memory has 32 banks of 4 bytes; the bank of a 16-bit element offset.
+int bank_of(int element) { return (element * 2 / 4) % 32; }
+
 TEST(SharedMemoryLayout, MqkFragmentPairs) {
   // chunk_prepare stores an MQK block's fragment pairs (rows 16 I + g + 8 hh, columns 16 J + 8 nt + 2 t,
-  // + 1) from one element offset e (MqkPairs, kda_chunk_prepare.cuh): column + 8 is e ^ 8, row + 8 is
-  // e + 8 x 64, and the pair's second element is e + 1.
+  // + 1) into its packed triangle from one element offset e (MqkPairs, kda_chunk_prepare.cuh): column + 8
+  // is e + 64 (the next core matrix, 128 bytes), row + 8 is e + 128 (the next row group, 256 bytes), and
+  // the pair's second element is e + 1.  A warp's store of one pair writes 32 different banks.
+  using flashkda::sm90::tri64_element;
   for (int I = 0; I < 4; ++I) {
     for (int J = 0; J <= I; ++J) {
       for (int lane = 0; lane < 32; ++lane) {
         const int r = 16 * I + lane / 4, c = 16 * J + 2 * (lane % 4);
-        const int e = flashkda::sm90::sw128_element<64>(r, c);
-        EXPECT_EQ(flashkda::sm90::sw128_element<64>(r, c + 1), e + 1) << "row " << r << " column " << c;
-        EXPECT_EQ(flashkda::sm90::sw128_element<64>(r, c + 8), e ^ 8) << "row " << r << " column " << c;
-        EXPECT_EQ(flashkda::sm90::sw128_element<64>(r + 8, c), e + 8 * 64) << "row " << r << " column " << c;
-        EXPECT_EQ(flashkda::sm90::sw128_element<64>(r + 8, c + 8), (e ^ 8) + 8 * 64)
-            << "row " << r << " column " << c;
+        const int e = tri64_element(r, c);
+        EXPECT_EQ(tri64_element(r, c + 1), e + 1) << "row " << r << " column " << c;
+        EXPECT_EQ(tri64_element(r, c + 8), e + 64) << "row " << r << " column " << c;
+        EXPECT_EQ(tri64_element(r + 8, c), e + 128) << "row " << r << " column " << c;
+        EXPECT_EQ(tri64_element(r + 8, c + 8), e + 192) << "row " << r << " column " << c;
+      }
+      for (int nt = 0; nt < 2; ++nt) {
+        for (int hh = 0; hh < 2; ++hh) {
+          std::set<int> banks;
+          for (int lane = 0; lane < 32; ++lane)
+            banks.insert(
+                bank_of(tri64_element(16 * I + lane / 4 + 8 * hh, 16 * J + 8 * nt + 2 * (lane % 4))));
+          EXPECT_EQ(banks.size(), 32u)
+              << "block (" << I << ", " << J << ") pair (" << nt << ", " << hh << ")";
+        }
       }
     }
   }
+}
+
+TEST(SharedMemoryLayout, PackedTrianglesAreTheWalksOperands) {
+  // Tb and MQK records are packed triangles (tri64_offset): the 10 lower 16 x 16 blocks, each element
+  // once, in kTri64Bytes, which the walk copies as they are.  Its wgmma of K step ks (tri64_desc: start
+  // tri64_step_record(ks), LBO 128 along K, SBO 256 between row groups; N = 64 - 16 ks) reads B row n
+  // (the tile's row 16 ks + n), column kk of the step at the no-swizzle canonical address, which must be
+  // where the element is, inside its step.
+  namespace s9 = flashkda::sm90;
+  std::set<int> seen;
+  for (int ks = 0; ks < 4; ++ks) {
+    const int begin = s9::tri64_step_record(ks), end = s9::tri64_step_record(ks + 1);
+    EXPECT_EQ(end - begin, (64 - 16 * ks) * 32) << "a step holds its rows' 32 bytes";
+    EXPECT_EQ(begin % 16, 0);
+    for (int n = 0; n < 64 - 16 * ks; ++n) {
+      for (int kk = 0; kk < 16; ++kk) {
+        const int r = 16 * ks + n, col = 16 * ks + kk;
+        const int canonical = begin + (n / 8) * 256 + (kk / 8) * 128 + (n % 8) * 16 + (kk % 8) * 2;
+        EXPECT_EQ(s9::tri64_offset(r, col), canonical) << "row " << r << " column " << col;
+        EXPECT_GE(canonical, begin);
+        EXPECT_LT(canonical, end);
+        EXPECT_EQ(s9::tri64_element(r, col) * 2, canonical);
+        seen.insert(canonical);
+      }
+    }
+  }
+  EXPECT_EQ(static_cast<int>(seen.size()) * 2, s9::kTri64Bytes) << "every byte of the image, once";
+  // Every element of the lower blocks is one of those (the steps' rows are exactly the lower blocks').
+  int lower = 0;
+  for (int r = 0; r < 64; ++r) {
+    for (int col = 0; col < 64; ++col) lower += (col / 16 <= r / 16);
+  }
+  EXPECT_EQ(lower * 2, s9::kTri64Bytes);
 }
 
 TEST(SharedMemoryLayout, Sw128KStepsStayInsideTheAtom) {
@@ -126,10 +174,7 @@ TEST(SharedMemoryLayout, Sw128KStepsStayInsideTheAtom) {
   }
 }
 
-// Shared memory has 32 banks of 4 bytes; the bank of a 16-bit element offset.
-int bank_of(int element) { return (element * 2 / 4) % 32; }
-
-// chunk_prepare stages W [C][D] and Tb [C][C] as their record images (sw128_element) and stores
+// chunk_prepare stages W [C][D] as its record image (sw128_element) and stores
 // them with TMA bulk copies; W's staging writes are the mma fragment stores of phase 5.
 template <int kCols, int kRows>
 void check_staged_tile() {
@@ -159,14 +204,7 @@ void check_staged_tile() {
 
 TEST(SharedMemoryLayout, StagedRecordTilesAreConflictFree) {
   check_staged_tile<128, 64>();  // W (C x D, D = 128)
-  check_staged_tile<64, 64>();   // W at D = 64, and Tb (C x C)
-  // Tb's image is written a row per warp instruction (lane: the column pair 2 lane): 32 banks.
-  for (int r = 0; r < 64; ++r) {
-    std::set<int> banks;
-    for (int lane = 0; lane < 32; ++lane)
-      banks.insert(bank_of(flashkda::sm90::sw128_element<64>(r, 2 * lane)));
-    EXPECT_EQ(banks.size(), 32u) << "Tb row " << r;
-  }
+  check_staged_tile<64, 64>();   // W at D = 64
 }
 
 }  // namespace

@@ -7,14 +7,15 @@ The record of one (chunk, head) (ChunkRecord<D> in csrc/sm90/kda_common.cuh, D =
     KT  [C, D] bf16   kt = k 2^G                      (kb = k 2^-G below)
     QT  [C, D] bf16   scale q 2^G
     KD  [C, D] fp16   k 2^(G_last - G) * 2^-shift_d
-    TB  [C, C] fp16   T_inv diag(b) * 2^-shift_t
-    MQK [C, C] fp16   scale lower_incl(q 2^G kb^T) * 2^-shift_m
+    TB  [C, C] fp16   T_inv diag(b) * 2^-shift_t                  (packed triangle, 5120 bytes)
+    MQK [C, C] fp16   scale lower_incl(q 2^G kb^T) * 2^-shift_m  (packed triangle, 5120 bytes)
     gamma [D] fp32    2^G_last
     shifts int32      shift_t, shift_m, shift_d (then padding to 128 bytes)
 
 with G the within-chunk cumulative log decay in log2 units (G_t = sum_{s <= t} a_s / ln 2), L =
-strict_lower(diag(b) kt kb^T), T_inv = (I + L)^-1, every 16-bit tile stored as its SW128
-shared-memory image (csrc/sm90/kda_sw128.h).  Rows past a sequence's end are inert: q = k = v = 0,
+strict_lower(diag(b) kt kb^T), T_inv = (I + L)^-1, KT / QT / KD stored as their SW128 shared-memory
+images and TB / MQK as packed triangles without their zero 16 x 16 blocks above the diagonal
+(tri64_offset, csrc/sm90/kda_sw128.h).  Rows past a sequence's end are inert: q = k = v = 0,
 a = 0, b = 0.  The record of chunk c of sequence n sits at slot floor(cu[n] / C) + n + c (varlen) or
 n ceil(T / C) + c (fixed length), head h: byte 4096 + (slot H + h) * record_bytes(D) of the workspace.
 
@@ -40,14 +41,18 @@ _TILE_DTYPE = {"KT": torch.bfloat16, "QT": torch.bfloat16, "KD": torch.float16, 
                "MQK": torch.float16}
 
 
+TRI_TILES = ("TB", "MQK")
+TRI_BYTES = 5120  # a packed 64 x 64 triangle: its 10 lower 16 x 16 blocks
+
+
 def record_layout(D: int) -> Dict[str, int]:
     """Byte offsets of the record's parts, and its size ('bytes'), as ChunkRecord<D>."""
     off = {"KT": 0}
     off["QT"] = off["KT"] + C * D * 2
     off["KD"] = off["QT"] + C * D * 2
     off["TB"] = off["KD"] + C * D * 2
-    off["MQK"] = off["TB"] + C * C * 2
-    off["gamma"] = off["MQK"] + C * C * 2
+    off["MQK"] = off["TB"] + TRI_BYTES
+    off["gamma"] = off["MQK"] + TRI_BYTES
     off["shifts"] = off["gamma"] + D * 4
     off["bytes"] = off["shifts"] + 128
     return off
@@ -81,6 +86,41 @@ def swizzle(matrix: Tensor) -> Tensor:
     return image
 
 
+def tri64_element(r: Tensor, col: Tensor) -> Tensor:
+    """Element offset (16-bit units) of (r, col), col // 16 <= r // 16, in a packed triangle (kda_sw128.h,
+    tri64_offset): K step ks = col // 16 holds rows 16 ks .. 63 as core matrices of 8 rows x 16 bytes, row
+    group g = r // 8 at (g - 2 ks) * 256 bytes, column piece (col // 8) % 2 at 128, row r % 8 at 16; the
+    steps' tails follow each other (2048, 1536, 1024, 512 bytes)."""
+    ks = col // 16
+    step_start = 2048 * ks - 256 * ks * (ks - 1)
+    byte = step_start + (r // 8 - 2 * ks) * 256 + ((col // 8) % 2) * 128 + (r % 8) * 16 + (col % 8) * 2
+    return byte // 2
+
+
+def _tri_index():
+    r = torch.arange(C).view(C, 1).expand(C, C)
+    c = torch.arange(C).view(1, C).expand(C, C)
+    keep = (c // 16) <= (r // 16)
+    return r[keep], c[keep]
+
+
+def pack_triangle(matrix: Tensor) -> Tensor:
+    """The packed image (flat, TRI_BYTES / 2 elements) of a 64 x 64 matrix of a 16-bit dtype: its blocks
+    above the diagonal are dropped (they must be zero for the walk, which reads zeros there)."""
+    r, c = _tri_index()
+    image = torch.empty(TRI_BYTES // 2, dtype=matrix.dtype, device=matrix.device)
+    image[tri64_element(r, c).to(matrix.device)] = matrix[r.to(matrix.device), c.to(matrix.device)]
+    return image
+
+
+def unpack_triangle(image: Tensor) -> Tensor:
+    """The 64 x 64 matrix of a packed image (zeros above the diagonal blocks)."""
+    r, c = _tri_index()
+    m = torch.zeros(C, C, dtype=image.dtype, device=image.device)
+    m[r.to(image.device), c.to(image.device)] = image[tri64_element(r, c).to(image.device)]
+    return m
+
+
 def chunk_slot(n: int, c: int, cu: List[int] = None, T: int = 0) -> int:
     """The record slot of chunk c of sequence n (cu: the cu_seqlens values, or None for fixed length T)."""
     if cu is not None:
@@ -98,6 +138,9 @@ def read_record(workspace: Tensor, slot: int, h: int, H: int, D: int) -> Dict:
     for name in TILES:
         rows, cols = tile_shape(name, D)
         start = lay[name]
+        if name in TRI_TILES:
+            rec[name] = unpack_triangle(raw[start: start + TRI_BYTES].view(_TILE_DTYPE[name])).double()
+            continue
         image = raw[start: start + rows * cols * 2].view(_TILE_DTYPE[name])
         rec[name] = unswizzle(image, rows, cols).double()
     rec["gamma"] = raw[lay["gamma"]: lay["gamma"] + D * 4].view(torch.float32).double()
@@ -162,7 +205,8 @@ def chunk_walk(S: Tensor, tiles: Dict[str, Tensor]) -> Tuple[Tensor, Tensor]:
 def write_record(workspace: Tensor, slot: int, h: int, H: int, D: int, tiles: Dict[str, Tensor],
                  shifts: Tuple[int, int, int]) -> None:
     """Stores true tiles as chunk_prepare would (the inverse of read_record + unshifted): each 16-bit tile
-    shifted, rounded to its storage dtype and written as its SW128 image.  For tests of the reader."""
+    shifted, rounded to its storage dtype and written as its SW128 image (TB, MQK: packed triangles).  For
+    tests of the reader."""
     shift_t, shift_m, shift_d = shifts
     scaled = dict(tiles, TB=tiles["TB"] * 2.0 ** -shift_t, MQK=tiles["MQK"] * 2.0 ** -shift_m,
                   KD=tiles["KD"] * 2.0 ** -shift_d)
@@ -170,7 +214,8 @@ def write_record(workspace: Tensor, slot: int, h: int, H: int, D: int, tiles: Di
     base = HEADER_BYTES + (slot * H + h) * lay["bytes"]
     rec = torch.zeros(lay["bytes"], dtype=torch.uint8)
     for name in TILES:
-        image = swizzle(scaled[name].to(_TILE_DTYPE[name]))
+        m = scaled[name].to(_TILE_DTYPE[name])
+        image = pack_triangle(m) if name in TRI_TILES else swizzle(m)
         rec[lay[name]: lay[name] + image.numel() * 2] = image.view(torch.uint8)
     gamma = tiles["gamma"].float()  # fp32, flushed below 2^-126 as the kernel's ex2.approx.ftz
     gamma = torch.where(gamma < 2.0 ** -126, torch.zeros_like(gamma), gamma)

@@ -31,9 +31,33 @@ def test_sw128_offsets_by_hand():
 
 
 def test_record_layout_matches_chunk_record():
-    # ChunkRecord<128>: 66,176 bytes (docs/design.md, "Workspace size").
-    assert O.record_layout(128)["bytes"] == 66176
+    # ChunkRecord<128>: 3 x 16 KB (KT, QT, KD) + 2 x 5120 (TB, MQK packed) + 512 (gamma) + 128 = 60,032 bytes.
+    assert O.record_layout(128)["bytes"] == 60032
     assert O.record_layout(64)["bytes"] % 128 == 0
+
+
+def test_triangle_image_round_trip():
+    m = (torch.arange(64 * 64, dtype=torch.int32) % 30000 + 1).to(torch.int16).view(64, 64)
+    r = torch.arange(64).view(64, 1)
+    c = torch.arange(64).view(1, 64)
+    m = torch.where(c // 16 <= r // 16, m, torch.zeros_like(m))  # zero blocks above the diagonal
+    image = O.pack_triangle(m)
+    assert image.numel() * 2 == O.TRI_BYTES
+    assert torch.equal(O.unpack_triangle(image), m)
+    # every kept element lands once: the image is a permutation of the 10 lower blocks
+    assert torch.equal(torch.sort(image.int()).values, torch.sort(m[m != 0].int()).values)
+
+
+def test_triangle_offsets_by_hand():
+    # kda_sw128.h, tri64_offset: step ks's tail starts at 0, 2048, 3584, 4608 bytes and begins at row 16 ks;
+    # row group +1 is 256 bytes, column piece +1 128, row + 1 16, column + 1 2.
+    el = lambda r, c: int(O.tri64_element(torch.tensor(r), torch.tensor(c)))  # noqa: E731
+    assert el(0, 0) == 0
+    assert el(1, 9) == (16 + 128 + 2) // 2
+    assert el(16, 16) == 2048 // 2
+    assert el(63, 63) == (4608 + 256 + 128 + 7 * 16 + 7 * 2) // 2
+    assert el(32, 40) == (3584 + 128) // 2
+    assert el(63, 47) == O.TRI_BYTES // 2 - 1 - 512 // 2
 
 
 @pytest.mark.parametrize("gate_mode,l2", [("bounded", True), ("softplus", False), ("precomputed", True)])
