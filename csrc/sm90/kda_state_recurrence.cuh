@@ -7,8 +7,9 @@
 // warpgroup runs on its 64 rows (sm_90a wgmma, A from registers, B from the record's tiles: KT, QT, KD
 // SW128, Tb and MQK packed triangles in the no-swizzle layout, kda_sw128.h / kda_wgmma.cuh):
 //   XT  = v^T - S KT^T          (64 x C: 8 m64n64k16 bf16; the accumulator starts from v^T)
-//   VnT = XT Tb^T               (64 x C: 4 m64n64k16 fp16, XT shifted into fp16)
-//   OT  = S QT^T + VnT MQK^T    (64 x C: 8 + 4 m64n64k16, bf16 / fp16)
+//   VnT = XT Tb^T               (64 x C: 10 m64n16k16 fp16 on Tb's lower blocks, XT shifted into fp16)
+//   OT  = S QT^T + VnT MQK^T    (64 x C: 8 m64n64k16 bf16 + 10 m64n16k16 fp16 into an accumulator of
+//                               their own, added at the end)
 //   S   = S diag(gamma) + VnT KD  (64 x D: 4 m64n128k16, fp16, KD N-major)
 // VnT = T_inv diag(b) (v - kt S^T) is formed here rather than W = Tb kt and U = Tb v in chunk_prepare:
 // v is read once, by the walk (its rows by ldmatrix.trans arrive in the accumulator's own order, so
@@ -23,9 +24,9 @@
 // chunk's v rows (16 KB at NW = 8) do come by cp.async, 4 a thread: bulk copies of 64 rows would be 64 issues
 // from uniform registers, one lane at a time.  The output tile goes through shared memory so that global
 // stores are 16-byte rows; it is double-buffered and stored during the next chunk's first wgmma batch (one
-// barrier per chunk instead of two). Shared memory (D = 128, NW = 8): 2 stages x (KT, QT, KD 3 x 16 KB + MQK,
-// Tb 2 x 5 KB + v rows 17 KB
-// + gamma, rounded to 1 KB) + 2 output tiles x 17 KB + 2 mbarriers + 1 KB alignment: 195 KB.
+// barrier per chunk instead of two).
+// Shared memory (D = 128, NW = 8): 2 stages x (KT, QT, KD 3 x 16 KB + MQK, Tb 2 x 5 KB + v rows 17 KB +
+// gamma, rounded to 1 KB: 76 KB) + 2 output tiles x 17 KB + 2 mbarriers + 1 KB alignment: 187 KB.
 //
 // Launch: the 8-warp whole walk follows chunk_prepare with programmatic stream serialisation
 // (kda_prefill_sm90.cuh): the prologue up to the spans (and the pool row's load) runs before
@@ -67,7 +68,7 @@ struct RecurrenceSmem {
   static constexpr int kKD = kQT + (kMap ? 0 : kTile);
   static constexpr int kMQK = kKD + kTile;
   // MQK and Tb [C][C] fp16: packed triangles as in the record (tri64_offset), the K-major B operands of
-  // OT += VnT MQK^T and VnT = XT Tb^T, K step ks reading only its rows 16 ks .. 63 (wgmma_f16_tail_rs).
+  // OT += VnT MQK^T and VnT = XT Tb^T, K step ks reading only its rows 16 ks .. 63 (triangle_product_first).
   static constexpr int kTb = kMQK + (kMap ? 0 : kTri64Bytes);
   // The chunk's v rows, this block's kVs columns (bf16), padded by 16 bytes so that the 8 rows of an
   // ldmatrix.trans hit 8 different bank groups; 16-byte cp.async by every thread (copy_v_rows_async).
