@@ -700,16 +700,17 @@ TEST(WorkspaceSize, MonotoneInTokensAndSequences) {
 }
 
 // The context-parallel area: one start state and one (L, A) map (3 D x D fp32) per segment slot and
-// head, floor(T / 2048) + min(N, 32 / H) slots; none above 32 heads.
+// head, floor(T / 2048) + min(N, 32 / H) slots; none above 32 heads.  A record (D = 128): KT, QT, KD
+// 3 x 64 x 128 x 2 bytes, Tb and MQK packed triangles 2 x 5120 (their 10 lower 16 x 16 blocks of 512
+// bytes), gamma 128 x 4, the 128-byte shift tail.
 TEST(WorkspaceSize, ReservesTheSegmentAreaForFewSequencesTimesHeads) {
   const size_t per_slot_head = 3 * 128 * 128 * sizeof(float);
+  constexpr size_t kRecord = 3 * 64 * 128 * 2 + 2 * (10 * 16 * 16 * 2) + 128 * 4 + 128;
+  static_assert(kRecord == 60032, "ChunkRecord<128>");
   const size_t records_16 = flashkda::workspace_size(16384, 16, 1) - flashkda::workspace_size(0, 16, 1);
   const size_t records_64 = flashkda::workspace_size(16384, 64, 1) - flashkda::workspace_size(0, 64, 1);
-  EXPECT_EQ(records_16, (16384 / 64) * 16 * (3 * 64 * 128 * 2 + 2 * 64 * 64 * 2 + 128 * 4 + 128) +
-                            (16384 / 2048) * 16 * per_slot_head);
-  EXPECT_EQ(records_64,
-            (16384 / 64) * 64 * static_cast<size_t>(3 * 64 * 128 * 2 + 2 * 64 * 64 * 2 + 128 * 4 + 128));
+  EXPECT_EQ(records_16, (16384 / 64) * 16 * kRecord + (16384 / 2048) * 16 * per_slot_head);
+  EXPECT_EQ(records_64, (16384 / 64) * 64 * kRecord);
   // N beyond 32 / H adds records only.
-  EXPECT_EQ(flashkda::workspace_size(0, 16, 3) - flashkda::workspace_size(0, 16, 2),
-            16 * static_cast<size_t>(3 * 64 * 128 * 2 + 2 * 64 * 64 * 2 + 128 * 4 + 128));
+  EXPECT_EQ(flashkda::workspace_size(0, 16, 3) - flashkda::workspace_size(0, 16, 2), 16 * kRecord);
 }
