@@ -1131,11 +1131,13 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   // walks' scratch (block (J, 3)) or were never written, and are zero in Tb.
   // Thread (rg, cg) = (tid / 16, tid % 16) holds rows rg + 16 i (row block i) x columns 4 cg .. 4 cg + 3
   // in registers from the max to the store: one 16-byte read a row (rows are 16-byte aligned; a half
-  // warp reads one row's 256 contiguous bytes, conflict-free) and one 8-byte store a row (4 fp16 of one
-  // 16-byte piece of the SW128 image), 4 + 4 accesses a thread instead of the 8 + 8 of column pairs
-  // (the MIO pipe is this kernel's busiest; the wavefronts are the same).  4 columns, not 8: a thread
-  // reading 8 columns as two float4 would leave 32-byte gaps between the lanes of a quarter warp (2-way
-  // bank conflicts).  Every image element is written once; the products are those of column pairs.
+  // warp reads one row's 256 contiguous bytes, conflict-free) and one 8-byte store a row of the lower
+  // blocks (4 fp16 of one 16-byte row of a core matrix of the packed triangle), 4 + <= 4 accesses a
+  // thread.  A half warp's stores of one row land in 8 core matrices, one bank group: 8-way conflicts,
+  // ~32 wavefronts a warp and chunk, which the 6 upper blocks' stores they replaced (SW128, conflict-free)
+  // about cost.  4 columns, not 8: a thread reading 8 columns as two float4 would leave 32-byte gaps
+  // between the lanes of a quarter warp (2-way bank conflicts).  Every image element is written once;
+  // the products are those of column pairs.
   constexpr int kTbRows = kChunk * kChunk / 4 / kPrepareThreads;
   static_assert(kTbRows == 4 && kChunk / 4 == 16, "4 rows of 4 columns a thread, 16 threads a row");
   const int tid5 = thread_index_here();  // not tid (thread_index_here says why)

@@ -41,9 +41,10 @@ FLASHKDA_HOST_DEVICE int sw128_element(int r, int col) {
 // the wgmma's no-swizzle canonical layout of 8-row x 16-byte core matrices.  K step ks (columns 16 ks ..
 // 16 ks + 15, one k16 B operand) holds only rows 16 ks .. 63 (the others are zero): core matrix (row group
 // g = r / 8, column piece p = (col / 8) & 1) at (g - 2 ks) * 256 + p * 128, row r & 7 at 16 bytes within
-// it (descriptor: LBO = 128 between the pieces along K, SBO = 256 between row groups), so the walk's
-// wgmma of step ks is N = 64 - 16 ks wide and adds into the accumulator's columns 16 ks ..  The steps
-// follow each other: 2048 + 1536 + 1024 + 512 = 5120 bytes for the 8192 of a full tile.
+// it (descriptor: LBO = 128 between the pieces along K, SBO = 256 between row groups).  The steps follow
+// each other: 2048 + 1536 + 1024 + 512 = 5120 bytes for the 8192 of a full tile.  The walk multiplies it
+// in m64n16k16 blocks: its output's column block J takes steps 0 .. J, B's row block J of step ks being
+// 512 (J - ks) bytes into the step (triangle_product_first, kda_state_recurrence.cuh).
 constexpr int kTri64Bytes = 5120;
 
 // Where K step ks starts (bytes): the sum of the earlier steps, 2048 - 512 j each.
