@@ -1133,11 +1133,12 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   // in registers from the max to the store: one 16-byte read a row (rows are 16-byte aligned; a half
   // warp reads one row's 256 contiguous bytes, conflict-free) and one 8-byte store a row of the lower
   // blocks (4 fp16 of one 16-byte row of a core matrix of the packed triangle), 4 + <= 4 accesses a
-  // thread.  A half warp's stores of one row land in 8 core matrices, one bank group: 8-way conflicts,
-  // ~32 wavefronts a warp and chunk, which the 6 upper blocks' stores they replaced (SW128, conflict-free)
-  // about cost.  4 columns, not 8: a thread reading 8 columns as two float4 would leave 32-byte gaps
-  // between the lanes of a quarter warp (2-way bank conflicts).  Every image element is written once;
-  // the products are those of column pairs.
+  // thread.  A half warp's stores of one row land in up to 8 core matrices of one bank group (8-way
+  // conflicts): ~20 wavefronts a warp where the SW128 image's 4 stores took 8, ~100 more a chunk-head,
+  // not measurable (chunk_prepare 214.9 -> 214.2 us on 8x2048 H16 with the packing, perf-notes v29).  4
+  // columns, not 8: a thread reading 8 columns as two float4 would leave 32-byte gaps between the lanes of a
+  // quarter warp (2-way bank conflicts).  Every image element is written once; the products are those of
+  // column pairs.
   constexpr int kTbRows = kChunk * kChunk / 4 / kPrepareThreads;
   static_assert(kTbRows == 4 && kChunk / 4 == 16, "4 rows of 4 columns a thread, 16 threads a row");
   const int tid5 = thread_index_here();  // not tid (thread_index_here says why)
