@@ -102,7 +102,7 @@ __device__ __forceinline__ void triangle_product_first(float (&d)[8][4], const u
   for (int J = 0; J < 4; ++J) {
 #pragma unroll
     for (int ks = 0; ks <= J; ++ks) {
-      const uint64_t desc = tri64_desc(tri + tri64_step_record(ks) + 512 * (J - ks));
+      const uint64_t desc = tri64_desc(tri + tri64_block(J, ks));
       if (ks == 0) {
         if (J == 0) wgmma_m64n16k16_f16_rs<0, false>(d, a[0], desc);
         if (J == 1) wgmma_m64n16k16_f16_rs<2, false>(d, a[0], desc);

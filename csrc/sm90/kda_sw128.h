@@ -57,6 +57,11 @@ FLASHKDA_HOST_DEVICE constexpr int tri64_offset(int r, int col) {
 }
 // Element offset.
 FLASHKDA_HOST_DEVICE constexpr int tri64_element(int r, int col) { return tri64_offset(r, col) >> 1; }
+// Where the 16 x 16 block (row block J, K step ks), ks <= J, starts: the walk's m64n16k16 B operand for
+// its output's column block J and K step ks (rows 16 J .. of the step, 256 bytes a row group).
+FLASHKDA_HOST_DEVICE constexpr int tri64_block(int J, int ks) {
+  return tri64_step_record(ks) + 512 * (J - ks);
+}
 static_assert(tri64_step_record(4) == kTri64Bytes, "the four steps fill the packed tile");
 
 }  // namespace sm90

@@ -152,6 +152,19 @@ TEST(SharedMemoryLayout, PackedTrianglesAreTheWalksOperands) {
     }
   }
   EXPECT_EQ(static_cast<int>(seen.size()) * 2, s9::kTri64Bytes) << "every byte of the image, once";
+  // The walk's m64n16k16 blocks (triangle_product_first): block (J, ks) read at tri64_block(J, ks) with the
+  // same LBO / SBO must be the tile's rows 16 J .., columns 16 ks .. .
+  for (int J = 0; J < 4; ++J) {
+    for (int ks = 0; ks <= J; ++ks) {
+      for (int n = 0; n < 16; ++n) {
+        for (int kk = 0; kk < 16; ++kk) {
+          const int addr =
+              s9::tri64_block(J, ks) + (n / 8) * 256 + (kk / 8) * 128 + (n % 8) * 16 + (kk % 8) * 2;
+          EXPECT_EQ(addr, s9::tri64_offset(16 * J + n, 16 * ks + kk)) << "block (" << J << ", " << ks << ")";
+        }
+      }
+    }
+  }
   // Every element of the lower blocks is one of those (the steps' rows are exactly the lower blocks').
   int lower = 0;
   for (int r = 0; r < 64; ++r) {
