@@ -67,8 +67,8 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[M][4]) {
 
 // The register-A instruction forms, written once: FLASHKDA_WGMMA_RS(shape, type, N, d, a, desc_b)
 // issues D(64 x N, fp32) += scale_a A(64 x 16, type, registers) B(16 x N, type, shared memory) with
-// the enclosing template's kScaleA (+-1) and kTransB (1: N-major B).  N64 / N128 select the
-// accumulator operand list (32 or 64 fp32 registers a thread) and the A / descriptor operand indices.
+// the enclosing template's kScaleA (+-1) and kTransB (1: N-major B).  N16 / N64 / N128 select the
+// accumulator operand list (8, 32 or 64 fp32 registers a thread) and the A / descriptor operand indices.
 // FLASHKDA_WGMMA_RS_FIRST is the same with scale-d = 0 (D = scale_a A B) and write-only accumulators.
 #define FLASHKDA_WGMMA_D4(d, j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
 #define FLASHKDA_WGMMA_D_N64(d)                                                                       \
@@ -83,6 +83,11 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[M][4]) {
   FLASHKDA_WGMMA_D_N64(d), FLASHKDA_WGMMA_D4(d, 8), FLASHKDA_WGMMA_D4(d, 9), FLASHKDA_WGMMA_D4(d, 10), \
       FLASHKDA_WGMMA_D4(d, 11), FLASHKDA_WGMMA_D4(d, 12), FLASHKDA_WGMMA_D4(d, 13),                    \
       FLASHKDA_WGMMA_D4(d, 14), FLASHKDA_WGMMA_D4(d, 15)
+// N16: the accumulator tile pair kT0, kT0 + 1 of the enclosing template (wgmma_m64n16k16_f16_rs).
+#define FLASHKDA_WGMMA_D_N16(d) FLASHKDA_WGMMA_D4(d, kT0), FLASHKDA_WGMMA_D4(d, kT0 + 1)
+#define FLASHKDA_WGMMA_W_N16(d) FLASHKDA_WGMMA_W4(d, kT0), FLASHKDA_WGMMA_W4(d, kT0 + 1)
+#define FLASHKDA_WGMMA_REGS_N16 "%0, %1, %2, %3, %4, %5, %6, %7"
+#define FLASHKDA_WGMMA_TAIL_N16 "{%8, %9, %10, %11}, %12, p, %13, 1, %14"
 #define FLASHKDA_WGMMA_REGS_N64                                                                          \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
   "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
@@ -143,20 +148,11 @@ template <int kT0, bool kAccumulate = true, int M>
 __device__ __forceinline__ void wgmma_m64n16k16_f16_rs(float (&d)[M][4], const uint32_t (&a)[4],
                                                        uint64_t desc_b) {
   static_assert(kT0 >= 0 && kT0 + 2 <= M && kT0 % 2 == 0, "a tile pair of the accumulator");
+  constexpr int kScaleA = 1, kTransB = 0;  // the instruction forms' immediates: A as is, B K-major
   if constexpr (kAccumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, "
-        "{%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
-        : FLASHKDA_WGMMA_D4(d, kT0), FLASHKDA_WGMMA_D4(d, kT0 + 1)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+    FLASHKDA_WGMMA_RS("m64n16k16", "f16", N16, d, a, desc_b);
   } else {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, "
-        "{%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
-        : FLASHKDA_WGMMA_W4(d, kT0), FLASHKDA_WGMMA_W4(d, kT0 + 1)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+    FLASHKDA_WGMMA_RS_FIRST("m64n16k16", "f16", N16, d, a, desc_b);
   }
 }
 
@@ -166,6 +162,10 @@ __device__ __forceinline__ void wgmma_m64n16k16_f16_rs(float (&d)[M][4], const u
 #undef FLASHKDA_WGMMA_W_N64
 #undef FLASHKDA_WGMMA_W4
 #undef FLASHKDA_WGMMA_TAIL_N128
+#undef FLASHKDA_WGMMA_TAIL_N16
+#undef FLASHKDA_WGMMA_REGS_N16
+#undef FLASHKDA_WGMMA_W_N16
+#undef FLASHKDA_WGMMA_D_N16
 #undef FLASHKDA_WGMMA_TAIL_N64
 #undef FLASHKDA_WGMMA_REGS_N128
 #undef FLASHKDA_WGMMA_REGS_N64
