@@ -92,17 +92,17 @@ struct RecurrenceSmem {
                 "bulk copy / ldmatrix / mbarrier alignment");
 };
 
-// D = A B^T with B a 64 x 64 packed triangle (tri64) at shared address `tri`, in m64n16k16 blocks: D's
-// column block J (tiles 2 J, 2 J + 1) takes K steps 0 .. J (B's row block J of step ks is 512 (J - ks)
-// bytes into the step), the first overwriting: 10 blocks where a full tile takes 16.  Only m64n16k16 on
-// D: an accumulator shared with other shapes made ptxas serialise the kernel's wgmma (C7511).
+// D = A B^T with B a 64 x 64 packed triangle (tri64) whose base descriptor is `tri` (tri64_desc), in
+// m64n16k16 blocks: D's column block J (tiles 2 J, 2 J + 1) takes K steps 0 .. J (B's row block J of step ks
+// is 512 (J - ks) bytes into the step), the first overwriting: 10 blocks where a full tile takes 16.  Only
+// m64n16k16 on D: an accumulator shared with other shapes made ptxas serialise the kernel's wgmma (C7511).
 __device__ __forceinline__ void triangle_product_first(float (&d)[8][4], const uint32_t (&a)[4][4],
-                                                       uint32_t tri) {
+                                                       uint64_t tri) {
 #pragma unroll
   for (int J = 0; J < 4; ++J) {
 #pragma unroll
     for (int ks = 0; ks <= J; ++ks) {
-      const uint64_t desc = tri64_desc(tri + tri64_block(J, ks));
+      const uint64_t desc = desc_offset(tri, tri64_block(J, ks));
       if (ks == 0) {
         if (J == 0) wgmma_m64n16k16_f16_rs<0, false>(d, a[0], desc);
         if (J == 1) wgmma_m64n16k16_f16_rs<2, false>(d, a[0], desc);
@@ -583,11 +583,12 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
         sa[ks][i] = pack_bf16(e[0], e[1]);
       }
     }
+    const uint64_t d_kt = sw128_desc(st + SM::kKT, 16, 1024);
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {  // K-major B: a k16 step is 32 bytes, a half 64 columns
       const uint32_t koff = (ks >> 2) * (kChunk * 128) + (ks & 3) * 32;
-      wgmma_m64n64k16_rs<__nv_bfloat16, -1, 0>(xt, sa[ks], sw128_desc(st + SM::kKT + koff, 16, 1024));
+      wgmma_m64n64k16_rs<__nv_bfloat16, -1, 0>(xt, sa[ks], desc_offset(d_kt, koff));
     }
     wgmma_commit();
     // XT's fp16 shift from a bound instead of its maximum, computed while XT's products run, so that
@@ -669,16 +670,17 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
     float vn[8][4];
     wgmma_fence();
     // Tb is a packed triangle: K step ks holds only rows (VnT's columns) 16 ks .. 63.
-    triangle_product_first(vn, xa, st + SM::kTb);
+    triangle_product_first(vn, xa, tri64_desc(st + SM::kTb));
     wgmma_commit();
     // OT = S QT^T is off the state's chain: issued after VnT's products (the tensor pipe runs groups
     // in order), it runs while VnT is converted and the state's update is issued.
     if constexpr (!kMap) {
-      wgmma_m64n64k16_rs<__nv_bfloat16, 1, 0, false>(o, sa[0], sw128_desc(st + SM::kQT, 16, 1024));
+      const uint64_t d_qt = sw128_desc(st + SM::kQT, 16, 1024);
+      wgmma_m64n64k16_rs<__nv_bfloat16, 1, 0, false>(o, sa[0], d_qt);
 #pragma unroll
       for (int ks = 1; ks < D / 16; ++ks) {
         const uint32_t koff = (ks >> 2) * (kChunk * 128) + (ks & 3) * 32;
-        wgmma_m64n64k16_rs<__nv_bfloat16, 1, 0>(o, sa[ks], sw128_desc(st + SM::kQT + koff, 16, 1024));
+        wgmma_m64n64k16_rs<__nv_bfloat16, 1, 0>(o, sa[ks], desc_offset(d_qt, koff));
       }
       wgmma_commit();
       wgmma_wait<1>();  // VnT's group
@@ -693,10 +695,11 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
     // nor multiplied) into an accumulator of its own, added to OT below: on OT itself, its m64n16k16
     // blocks beside OT's m64n64k16 made ptxas serialise every wgmma of the kernel (C7511), and OT's
     // own products would have to be done before these are issued.
+    const uint64_t d_kd = sw128_desc(st + SM::kKD, kChunk * 128, 1024);
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
-      const uint64_t dk = sw128_desc(st + SM::kKD + ks * 2048, kChunk * 128, 1024);
+      const uint64_t dk = desc_offset(d_kd, ks * 2048);
       if constexpr (D == 128) {
         wgmma_m64n128k16_f16_rs<1, 1>(s, va[ks], dk);
       } else {
@@ -704,7 +707,7 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
       }
     }
     float om[8][4];
-    if constexpr (!kMap) triangle_product_first(om, va, st + SM::kMQK);
+    if constexpr (!kMap) triangle_product_first(om, va, tri64_desc(st + SM::kMQK));
     wgmma_commit();
     // The output's and the state's scale-backs, formed only now (registers are scarce above).
     const int o_shift = sx + shift_n + shifts[1];
