@@ -1,6 +1,6 @@
-// The 128-byte-swizzled ("SW128") shared-memory tile layout of the wgmma operands (kda_wgmma.cuh),
-// and the staged record tiles of chunk_prepare, host-callable so that the CPU tests check them
-// (tests/cpp/test_layouts.cpp) against the hardware's swizzle definition and for the bank-conflict
+// The 128-byte-swizzled ("SW128") shared-memory tile layout of the wgmma operands (kda_wgmma.cuh), their
+// matrix descriptors, and the staged record tiles of chunk_prepare, host-callable so that the CPU tests check
+// them (tests/cpp/test_layouts.cpp) against the hardware's swizzle definition and for the bank-conflict
 // properties the kernels rely on.  The chunk records (ChunkRecord) are stored as these images.
 //
 // A 16-bit matrix of R rows and 64 h columns is stored as h column halves of R x 128 bytes, each
@@ -10,6 +10,8 @@
 // address (PTX ISA, wgmma shared-memory layouts, 128B swizzling: CuTe's Swizzle<3, 4, 3>), hence
 // the 1024-byte alignment of every half.
 #pragma once
+
+#include <cstdint>
 
 #include "sm90/kda_host_device.h"
 
@@ -63,6 +65,31 @@ FLASHKDA_HOST_DEVICE constexpr int tri64_block(int J, int ks) {
   return tri64_step_record(ks) + 512 * (J - ks);
 }
 static_assert(tri64_step_record(4) == kTri64Bytes, "the four steps fill the packed tile");
+
+// Matrix descriptor (PTX "shared memory matrix descriptor"): start address, leading and stride byte
+// offsets (all >> 4), layout type 1 = 128-byte swizzle in bits [62, 64).  The start address may be
+// offset by multiples of 16 bytes inside a 1024-byte-aligned atom (the k16 steps of a K-major tile):
+// the swizzle is computed from the absolute address bits, so the atom's base must be 1024-aligned.
+FLASHKDA_HOST_DEVICE uint64_t sw128_desc(uint32_t saddr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+  return static_cast<uint64_t>((saddr & 0x3ffff) >> 4) |
+         static_cast<uint64_t>((lbo_bytes >> 4) & 0x3fff) << 16 |
+         static_cast<uint64_t>((sbo_bytes >> 4) & 0x3fff) << 32 | static_cast<uint64_t>(1) << 62;
+}
+
+// Descriptor of one K step of a packed-triangle tile's shared image (tri64, above): layout type 0
+// (no swizzle, K-major core matrices of 8 rows x 16 bytes), LBO = 128 bytes between the step's two core
+// matrices along K, SBO = 256 bytes between row groups; 16-byte alignment suffices.
+FLASHKDA_HOST_DEVICE uint64_t tri64_desc(uint32_t saddr) {
+  return static_cast<uint64_t>((saddr & 0x3ffff) >> 4) | static_cast<uint64_t>(128 >> 4) << 16 |
+         static_cast<uint64_t>(256 >> 4) << 32;
+}
+
+// The descriptor of the same tile `bytes` further on (a multiple of 16): the start address field (bits
+// [0, 14), address >> 4) advances; it cannot carry into the fields above, since every shared address
+// is below 2^18.  Forming each k step's descriptor from its tile's base this way takes one add where
+// sw128_desc / tri64_desc of the full address took five uniform instructions a wgmma (~200 a chunk
+// on the walk's one warp per scheduler).
+FLASHKDA_HOST_DEVICE uint64_t desc_offset(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
 
 }  // namespace sm90
 }  // namespace flashkda

@@ -20,35 +20,13 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "sm90/kda_sw128.h"  // sw128_offset: the tile layout below
+#include "sm90/kda_sw128.h"  // sw128_offset, the descriptors: the tile layout below
 
 namespace flashkda {
 namespace sm90 {
 
-// Matrix descriptor (PTX "shared memory matrix descriptor"): start address, leading and stride byte
-// offsets (all >> 4), layout type 1 = 128-byte swizzle in bits [62, 64).  The start address may be
-// offset by multiples of 16 bytes inside a 1024-byte-aligned atom (the k16 steps of a K-major tile):
-// the swizzle is computed from the absolute address bits, so the atom's base must be 1024-aligned.
-__device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
-  return static_cast<uint64_t>((saddr & 0x3ffff) >> 4) |
-         static_cast<uint64_t>((lbo_bytes >> 4) & 0x3fff) << 16 |
-         static_cast<uint64_t>((sbo_bytes >> 4) & 0x3fff) << 32 | static_cast<uint64_t>(1) << 62;
-}
-
-// Descriptor of one K step of a packed-triangle tile's shared image (tri64, kda_sw128.h): layout type 0
-// (no swizzle, K-major core matrices of 8 rows x 16 bytes), LBO = 128 bytes between the step's two core
-// matrices along K, SBO = 256 bytes between row groups; 16-byte alignment suffices.
-__device__ __forceinline__ uint64_t tri64_desc(uint32_t saddr) {
-  return static_cast<uint64_t>((saddr & 0x3ffff) >> 4) | static_cast<uint64_t>(128 >> 4) << 16 |
-         static_cast<uint64_t>(256 >> 4) << 32;
-}
-
-// The descriptor of the same tile `bytes` further on (a multiple of 16): the start address field (bits
-// [0, 14), address >> 4) advances; it cannot carry into the fields above, since every shared address
-// is below 2^18.  Forming each k step's descriptor from its tile's base this way takes one add where
-// sw128_desc / tri64_desc of the full address took five uniform instructions a wgmma (~200 a chunk
-// on the walk's one warp per scheduler).
-__device__ __forceinline__ uint64_t desc_offset(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
+// The matrix descriptors (sw128_desc, tri64_desc, desc_offset) are in kda_sw128.h, host-callable so that
+// the CPU tests check them.
 
 // Register accesses before it are ordered before the wgmma that follow (accumulators, A fragments).
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }

@@ -295,3 +295,38 @@ TEST(WalkOrder, LongestFirstTakesEverySequenceAndHeadOnce) {
     EXPECT_EQ(head, 0);
   }
 }
+
+// The walk forms each wgmma's descriptor as its tile's base descriptor plus the k step's offset
+// (desc_offset): that must equal the descriptor of the full address for every 16-byte-aligned shared
+// address a block can have, for each offset the walk adds (XT's / OT's K-major k steps, KD's N-major
+// steps, the packed triangles' m64n16k16 blocks).
+TEST(SharedMemoryLayout, DescriptorOffsetsEqualFullAddressDescriptors) {
+  using namespace flashkda::sm90;
+  std::vector<uint32_t> sw_offsets, tri_offsets;
+  for (int ks = 0; ks < 8; ++ks) sw_offsets.push_back((ks >> 2) * (64 * 128) + (ks & 3) * 32);
+  for (int ks = 0; ks < 4; ++ks) sw_offsets.push_back(ks * 2048);
+  for (int J = 0; J < 4; ++J) {
+    for (int ks = 0; ks <= J; ++ks) tri_offsets.push_back(tri64_block(J, ks));
+  }
+  constexpr uint32_t kSharedBytes = 232448;  // the most dynamic shared memory a block may have (sm_90)
+  int checked = 0;
+  for (uint32_t a = 0; a < kSharedBytes; a += 16) {
+    for (uint32_t off : sw_offsets) {
+      if (a + off >= kSharedBytes) continue;
+      for (uint32_t lbo : {16u, 64u * 128u}) {
+        ASSERT_EQ(desc_offset(sw128_desc(a, lbo, 1024), off), sw128_desc(a + off, lbo, 1024))
+            << a << " + " << off;
+      }
+      ++checked;
+    }
+    for (uint32_t off : tri_offsets) {
+      if (a + off >= kSharedBytes) continue;
+      ASSERT_EQ(desc_offset(tri64_desc(a), off), tri64_desc(a + off)) << a << " + " << off;
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 300000);
+  // Why no offset carries out of the start address field (bits 0-13, address >> 4): every shared
+  // address is below 2^18.
+  EXPECT_LT((kSharedBytes - 1) >> 4, 1u << 14);
+}
