@@ -166,19 +166,10 @@ __global__ void __launch_bounds__(kAdvanceWarps<D> * 32, 2) checkpoint_advance_k
 #pragma unroll
   for (int q = 0; q < kR; ++q) lrow[q] = vrow[q] - slice * SM::kRows;
   for (int i = 0; i < nt; ++i) {
-    const TokenBuf<D>& buf = sm.tok[i];
-    float4 d4[4], k4[4], q4[4];
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int col = token_col<D>(j, c);
-      d4[c] = *reinterpret_cast<const float4*>(&buf.decay[col]);
-      k4[c] = *reinterpret_cast<const float4*>(&buf.k[col]);
-      q4[c] = k4[c];  // the output is not needed: its sums are dead code
-    }
-    float v[kR], out[kR];
+    float v[kR];
 #pragma unroll
     for (int q = 0; q < kR; ++q) v[q] = bf16_bits_lo(sm.v[i][lrow[q]]);
-    advance_rows_columns<D, kR>(s, d4, k4, q4, 1.f, 1.f, 0.f, sm.beta[i], v, out);
+    advance_rows_state_only<D, kR>(s, sm.tok[i], j, sm.beta[i], v);
   }
 #pragma unroll
   for (int q = 0; q < kR; ++q) store_state_row<D, true>(base + vrow[q] * D, j, s[q]);

@@ -227,6 +227,22 @@ __device__ inline void advance_rows(float (&s)[kR][16], const TokenBuf<D>& buf, 
   advance_rows_columns<D, kR>(s, d4, k4, q4, 1.f, 1.f, buf.kq, b, v, o);
 }
 
+// advance_rows for a state that is advanced and not read out (checkpoint_advance): q is not loaded,
+// k stands in for it, so the output's sums are dead code the compiler removes.
+template <int D, int kR>
+__device__ inline void advance_rows_state_only(float (&s)[kR][16], const TokenBuf<D>& buf, int j, float b,
+                                               const float (&v)[kR]) {
+  float4 d4[4], k4[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int col = token_col<D>(j, i);
+    d4[i] = *reinterpret_cast<const float4*>(&buf.decay[col]);
+    k4[i] = *reinterpret_cast<const float4*>(&buf.k[col]);
+  }
+  float o[kR];
+  advance_rows_columns<D, kR>(s, d4, k4, k4, 1.f, 1.f, 0.f, b, v, o);
+}
+
 // State row I/O: 16 columns of one row, fp32 (four float4) or bf16 (four 8-byte pieces).
 template <int D, bool kF32>
 __device__ inline void load_state_row(const void* row, int j, float (&s)[16]) {
