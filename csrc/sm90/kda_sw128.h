@@ -67,22 +67,25 @@ FLASHKDA_HOST_DEVICE constexpr int tri64_block(int J, int ks) {
 static_assert(tri64_step_record(4) == kTri64Bytes, "the four steps fill the packed tile");
 
 // Matrix descriptor (PTX "shared memory matrix descriptor"): start address, leading and stride byte
-// offsets (all >> 4), layout type 1 = 128-byte swizzle in bits [62, 64).  The start address may be
-// offset by multiples of 16 bytes inside a 1024-byte-aligned atom (the k16 steps of a K-major tile):
-// the swizzle is computed from the absolute address bits, so the atom's base must be 1024-aligned.
-FLASHKDA_HOST_DEVICE uint64_t sw128_desc(uint32_t saddr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+// offsets (all >> 4), layout type in bits [62, 64) (0: no swizzle, 1: 128-byte swizzle).
+FLASHKDA_HOST_DEVICE uint64_t smem_desc(uint32_t saddr, uint32_t lbo_bytes, uint32_t sbo_bytes,
+                                        uint32_t layout) {
   return static_cast<uint64_t>((saddr & 0x3ffff) >> 4) |
          static_cast<uint64_t>((lbo_bytes >> 4) & 0x3fff) << 16 |
-         static_cast<uint64_t>((sbo_bytes >> 4) & 0x3fff) << 32 | static_cast<uint64_t>(1) << 62;
+         static_cast<uint64_t>((sbo_bytes >> 4) & 0x3fff) << 32 | static_cast<uint64_t>(layout) << 62;
 }
 
-// Descriptor of one K step of a packed-triangle tile's shared image (tri64, above): layout type 0
-// (no swizzle, K-major core matrices of 8 rows x 16 bytes), LBO = 128 bytes between the step's two core
-// matrices along K, SBO = 256 bytes between row groups; 16-byte alignment suffices.
-FLASHKDA_HOST_DEVICE uint64_t tri64_desc(uint32_t saddr) {
-  return static_cast<uint64_t>((saddr & 0x3ffff) >> 4) | static_cast<uint64_t>(128 >> 4) << 16 |
-         static_cast<uint64_t>(256 >> 4) << 32;
+// A SW128 tile's descriptor.  The start address may be offset by multiples of 16 bytes inside a
+// 1024-byte-aligned atom (the k16 steps of a K-major tile): the swizzle is computed from the absolute
+// address bits, so the atom's base must be 1024-aligned.
+FLASHKDA_HOST_DEVICE uint64_t sw128_desc(uint32_t saddr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+  return smem_desc(saddr, lbo_bytes, sbo_bytes, 1);
 }
+
+// Descriptor of one K step of a packed-triangle tile's shared image (tri64, above): no swizzle (K-major
+// core matrices of 8 rows x 16 bytes), LBO = 128 bytes between the step's two core matrices along K,
+// SBO = 256 bytes between row groups; 16-byte alignment suffices.
+FLASHKDA_HOST_DEVICE uint64_t tri64_desc(uint32_t saddr) { return smem_desc(saddr, 128, 256, 0); }
 
 // The descriptor of the same tile `bytes` further on (a multiple of 16): the start address field (bits
 // [0, 14), address >> 4) advances; it cannot carry into the fields above, since every shared address
