@@ -1,7 +1,8 @@
 // Host-side launcher of the sm90 prefill for one head dim: chunk_prepare over every (chunk slot,
 // head), then state_recurrence over every (sequence, head, state slice), then (with checkpoints)
 // checkpoint_advance, all on the caller's stream.  With context parallelism (a.seg_chunks > 0) the
-// recurrence is three launches instead: the segment maps, segment_scan, the segment walks.
+// recurrence is four launches instead: the head walk (segment 0), the segment maps beside it,
+// segment_scan, the segment walks.
 // Grid sizes come from host-known sizes only (no read of cu_seqlens), so the call is graph-safe.
 #pragma once
 
@@ -40,7 +41,8 @@ Status launch_recurrence(const PrefillArgs& args, int num_sms, cudaStream_t stre
   auto kernel = state_recurrence_kernel<D, NW, kMode>;
   cudaError_t e = set_smem_limit_once<state_recurrence_kernel<D, NW, kMode>>(SM::kBytes);
   if (e != cudaSuccess) return cuda_status(e, "state_recurrence smem attribute");
-  const int64_t gx = kMode == RecurrenceMode::kWhole ? a.N : static_cast<int64_t>(a.N) * a.max_segs;
+  const bool per_sequence = kMode == RecurrenceMode::kWhole || kMode == RecurrenceMode::kSegmentHead;
+  const int64_t gx = per_sequence ? a.N : static_cast<int64_t>(a.N) * a.max_segs;
   if (gx > 0x7fffffff) return Status::invalid("flashkda: problem too large for one launch");
   dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(a.H), (kMap ? 2 * D : D) / SM::kVs);
   // Longest sequences first pays only when the blocks come in more than one wave (the ranking costs
@@ -54,22 +56,34 @@ Status launch_recurrence(const PrefillArgs& args, int num_sms, cudaStream_t stre
   // batched rows within +-0.5%; earlier versions that also reordered the walk's first copies or took
   // the one-wave 4-warp walks and the segment maps along were slower there (v23, v24), so those launch
   // plainly.
-  const bool pdl = kMode == RecurrenceMode::kWhole && NW == 8 && a.walk_pdl;
+  // The segment maps follow the head walk the same way (launch_context_parallel), so that they run
+  // beside it.
+  const bool pdl = ((kMode == RecurrenceMode::kWhole && NW == 8) || kMap) && a.walk_pdl;
   return launch_maybe_programmatic(kernel, grid, dim3(32 * NW), SM::kBytes, pdl, stream,
                                    "state_recurrence launch", a);
 }
 
-// Context parallelism: segment maps (4-warp blocks, two per SM), their scan, the segment walks.
+// Context parallelism: the head walk (segment 0 of every sequence, the 4-warp whole walk cut at
+// seg_chunks, ending with S_1) with the maps of segments 1 .. nseg - 2 beside it (4-warp blocks, two
+// per SM, launched programmatically so that they run on the SMs the head walk leaves), their scan from
+// S_1, the walks of segments 1 .. nseg - 1.  Segment 0 used to be mapped too, its walk waiting for the
+// scan like the others'; walking it at once removes its map and shortens every segment (one more of
+// them for the same SMs: the head walk takes the SMs of one segment's maps).  With two segments at
+// most there is nothing to map or scan.
 template <int D>
 Status launch_context_parallel(const PrefillArgs& a, int num_sms, cudaStream_t stream) {
-  Status st = launch_recurrence<D, 4, RecurrenceMode::kSegmentMap>(a, num_sms, stream);
+  Status st = launch_recurrence<D, 4, RecurrenceMode::kSegmentHead>(a, num_sms, stream);
   if (!st.ok()) return st;
-  cudaError_t e = set_smem_limit_once<segment_scan_kernel<D>>(ScanSmem<D>::kBytes);
-  if (e != cudaSuccess) return cuda_status(e, "segment_scan smem attribute");
-  segment_scan_kernel<D><<<dim3(static_cast<unsigned>(a.N), static_cast<unsigned>(a.H), D / 16),
-                           scan_threads<D>(), ScanSmem<D>::kBytes, stream>>>(a);
-  st = cuda_status(cudaGetLastError(), "segment_scan launch");
-  if (!st.ok()) return st;
+  if (a.max_segs >= 3) {
+    st = launch_recurrence<D, 4, RecurrenceMode::kSegmentMap>(a, num_sms, stream);
+    if (!st.ok()) return st;
+    cudaError_t e = set_smem_limit_once<segment_scan_kernel<D>>(ScanSmem<D>::kBytes);
+    if (e != cudaSuccess) return cuda_status(e, "segment_scan smem attribute");
+    segment_scan_kernel<D><<<dim3(static_cast<unsigned>(a.N), static_cast<unsigned>(a.H), D / 16),
+                             scan_threads<D>(), ScanSmem<D>::kBytes, stream>>>(a);
+    st = cuda_status(cudaGetLastError(), "segment_scan launch");
+    if (!st.ok()) return st;
+  }
   return launch_recurrence<D, 4, RecurrenceMode::kSegmentApply>(a, num_sms, stream);
 }
 

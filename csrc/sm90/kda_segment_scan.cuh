@@ -2,12 +2,13 @@
 //
 // Context parallelism (few sequences x heads, long sequences; kda_spec.md section 3): the walk over
 // a sequence's chunks is affine in the state, S_end = S_start A + L, with A (K x K) and L (V x K)
-// per segment of seg_chunks chunks.  state_recurrence<kSegmentMap> computes (L, A) of every segment
-// but the last in parallel; this kernel chains them, S_0 = h0 (or 0), S_{s+1} = S_s A_s + L_s, and
-// writes every S_s to the workspace; state_recurrence<kSegmentApply> then walks all segments in
-// parallel from their start states, writing the outputs (and the final state from the last one).
-// The start state of segment 0 is a copy of h0: with an in-place pool (h0 == ht) the last segment
-// may write ht before segment 0's block starts.
+// per segment of seg_chunks chunks.  state_recurrence<kSegmentHead> walks segment 0 of every sequence
+// from h0 (or 0) to S_1 while state_recurrence<kSegmentMap> computes (L, A) of segments 1 .. nseg - 2
+// beside it; this kernel chains them, S_{s+1} = S_s A_s + L_s from S_1, and writes S_2 .. S_{nseg-1} to
+// the workspace; state_recurrence<kSegmentApply> then walks segments 1 .. nseg - 1 in parallel from
+// their start states, writing the outputs (and the final state from the last one).  Nothing here
+// reads h0 (the head walk read it before any segment walk can write ht over it, in an in-place pool).
+// A sequence of fewer than three segments has nothing to scan.
 //
 // Grid: (N, H, D / 16).  Block: D / 8 warps owning 16 state rows; warp w computes columns
 // [8 w, 8 w + 8) of S A with tf32 mma (m16n8k8), each operand split in a high and a low tf32 part
@@ -71,25 +72,22 @@ __global__ void __launch_bounds__(scan_threads<D>()) segment_scan_kernel(const P
   const int64_t srow = state_row(a, n);
   if (srow < 0) return;  // padding: the apply pass only zeroes its outputs
   const int nseg = num_segments(a, sp.len);
-  if (nseg > 1)
-    load_map_a_async<D>(segment_block<D>(a, n, sp, 0, h, kSegMapA), reinterpret_cast<float*>(smem + SM::kA),
-                        tid);
+  if (nseg < 3) return;  // S_1 is the head walk's, and segment 1 may be the last
+  load_map_a_async<D>(segment_block<D>(a, n, sp, 1, h, kSegMapA), reinterpret_cast<float*>(smem + SM::kA),
+                      tid);
   cp_async_commit();
 
-  // S_0: rows [row0, row0 + 16) of the initial state (or zeros), also stored as segment 0's start.
-  const bool has_h0 = starts_from_h0(a, n);
-  const int64_t sbase = (srow * a.H + h) * static_cast<int64_t>(D) * D;
-  float* start0 = segment_block<D>(a, n, sp, 0, h, kSegStart);
-  for (int e = tid; e < 16 * D; e += kThreads) {
-    const int r = e / D, c = e % D;
-    const int64_t idx = static_cast<int64_t>(row0 + r) * D + c;
-    const float x = has_h0 ? load_scalar(a.h0, a.state_fp32, sbase + idx) : 0.f;
-    sS[r * kLd + c] = x;
-    start0[idx] = x;
+  // S_1 (rows [row0, row0 + 16)): the head walk's final state, which the map grid's completion
+  // implies (state_recurrence_kernel, block (0, 0, 0) of the maps).
+  const float* start1 = segment_block<D>(a, n, sp, 1, h, kSegStart);
+  for (int e = tid; e < 16 * D / 4; e += kThreads) {
+    const int r = e / (D / 4), c4 = (e % (D / 4)) * 4;
+    *reinterpret_cast<float4*>(&sS[r * kLd + c4]) =
+        *reinterpret_cast<const float4*>(start1 + static_cast<int64_t>(row0 + r) * D + c4);
   }
 
   const int col0 = 8 * warp;
-  for (int s = 0; s + 1 < nseg; ++s) {
+  for (int s = 1; s + 1 < nseg; ++s) {
     const float* L = segment_block<D>(a, n, sp, s, h, kSegMapL);
     constexpr int NJ = 1;  // n-tiles of 8 columns a warp
     float acc[NJ][4];
@@ -100,16 +98,17 @@ __global__ void __launch_bounds__(scan_threads<D>()) segment_scan_kernel(const P
       const float2 l1 = *reinterpret_cast<const float2*>(L + static_cast<int64_t>(row0 + g + 8) * D + col);
       acc[j][0] = l0.x, acc[j][1] = l0.y, acc[j][2] = l1.x, acc[j][3] = l1.y;
     }
+    // A_s is in stage (s - 1) & 1 (A_1 in stage 0)
     if (s + 2 < nseg) {  // A of the next step into the other stage (free since step s - 1 ended)
       load_map_a_async<D>(segment_block<D>(a, n, sp, s + 1, h, kSegMapA),
-                          reinterpret_cast<float*>(smem + SM::kA + ((s + 1) & 1) * SM::kStageA), tid);
+                          reinterpret_cast<float*>(smem + SM::kA + (s & 1) * SM::kStageA), tid);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
     __syncthreads();  // A_s and S_s visible to every warp
-    const float* sA = reinterpret_cast<const float*>(smem + SM::kA + (s & 1) * SM::kStageA);
+    const float* sA = reinterpret_cast<const float*>(smem + SM::kA + ((s - 1) & 1) * SM::kStageA);
 #pragma unroll 4
     for (int kk = 0; kk < D / 8; ++kk) {
       const float x[4] = {sS[g * kLd + 8 * kk + t], sS[(g + 8) * kLd + 8 * kk + t],

@@ -38,12 +38,15 @@
 // not possibly in the last (varlen H96: walk 353.6 -> 294.0 us).
 //
 // Modes (context parallelism, kda_segment_scan.cuh): kWhole walks whole sequences (grid.x = N).
-// kSegmentMap walks one segment of a sequence (grid.x = N max_segs) from S = 0 and from S = I at
-// once: the grid's z covers 2D rows, rows [0, D) are L (the state rows, with v as usual) and rows
-// [D, 2D) are A (no v term, starting from the identity), which are the affine map S_end = S_start A
-// + L of the segment, written to the workspace.  No output: QT, MQK and the output tile are not
-// loaded (2 stages x 51 KB at NW = 4, two blocks per SM).  kSegmentApply walks one segment from the start
-// state segment_scan wrote, writes the outputs, and the final state from the last segment.
+// kSegmentHead is the whole walk cut after segment 0 (grid.x = N): it writes segment 0's outputs and
+// checkpoints and ends with S_1 in the workspace (a sequence of one segment ends as the whole walk).
+// kSegmentMap walks one segment s in [1, nseg - 2] of a sequence (grid.x = N max_segs) from S = 0 and
+// from S = I at once, beside the head walk (launched programmatically after it): the grid's z covers
+// 2D rows, rows [0, D) are L (the state rows, with v as usual) and rows [D, 2D) are A (no v term,
+// starting from the identity), which are the affine map S_end = S_start A + L of the segment, written
+// to the workspace.  No output: QT, MQK and the output tile are not loaded (2 stages x 51 KB at NW =
+// 4, two blocks per SM).  kSegmentApply walks one segment s >= 1 from the start state the head walk
+// (s = 1) or segment_scan wrote, writes the outputs, and the final state from the last segment.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -55,7 +58,7 @@
 namespace flashkda {
 namespace sm90 {
 
-enum class RecurrenceMode : int { kWhole = 0, kSegmentMap = 1, kSegmentApply = 2 };
+enum class RecurrenceMode : int { kWhole = 0, kSegmentMap = 1, kSegmentApply = 2, kSegmentHead = 3 };
 
 template <int D, int NW, bool kMap = false>
 struct RecurrenceSmem {
@@ -255,6 +258,9 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
   static_assert(NW % 4 == 0, "whole warpgroups: each owns 64 state rows of the wgmma");
   constexpr bool kMap = kMode == RecurrenceMode::kSegmentMap;
   constexpr bool kWhole = kMode == RecurrenceMode::kWhole;
+  // The head walk: the whole walk of segment 0 (an instantiation of its own, so that the whole walk's
+  // code, whose 4-warp chain is sensitive to register allocation, stays as it is).
+  constexpr bool kHead = kMode == RecurrenceMode::kSegmentHead;
   using SM = RecurrenceSmem<D, NW, kMap>;
   constexpr int kThreads = 32 * NW;
   constexpr int NT = D / 8;  // n-tiles of a state row block
@@ -262,10 +268,12 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
   unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
   auto out_tile = [&](int c) { return reinterpret_cast<bf16*>(smem + SM::kOut + (c & 1) * SM::kOutTile); };
 
+  // The segment maps launch programmatically after the head walk and run beside it.
+  if constexpr (kHead) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  int64_t n = kWhole ? blockIdx.x : blockIdx.x / a.max_segs;
-  const int seg = kWhole ? 0 : static_cast<int>(blockIdx.x % a.max_segs);
+  int64_t n = (kWhole || kHead) ? blockIdx.x : blockIdx.x / a.max_segs;
+  const int seg = (kWhole || kHead) ? 0 : static_cast<int>(blockIdx.x % a.max_segs);
   int h = blockIdx.y;
   if constexpr (kWhole) {
     if (a.walk_longest_first && a.cu_seqlens != nullptr && a.N > 1 && a.N <= kThreads) {
@@ -297,9 +305,27 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
   // This block's chunks [c_begin, c_end).  The map of a sequence's last segment is never used.
   int c_begin = 0, c_end = nchunks;
   bool last_segment = true;
-  if constexpr (!kWhole) {
+  if constexpr (kHead) {
+    // Context parallelism: segment 0 of every sequence, walked beside the segment maps of segments
+    // 1 .. nseg - 2; it ends by writing S_1, segment 1's start state (or as the whole walk, when
+    // the sequence has one segment).
+    if (nchunks > a.seg_chunks) {
+      c_end = a.seg_chunks;
+      last_segment = false;
+    }
+  } else if constexpr (!kWhole) {
+    // Segment 0 is the head walk's (no map, no segment walk); the map of a sequence's last segment
+    // would never be used.
     const int nseg = num_segments(a, sp.len);
-    if (seg >= nseg || (kMap && seg == nseg - 1)) return;
+    if (seg == 0 || seg >= nseg || (kMap && seg == nseg - 1)) {
+      // The maps launch programmatically after the head walk and do not wait for it (they read only
+      // chunk_prepare's records); block (0, 0, 0), always idle (segment 0), waits for it before it
+      // exits, so that the map grid's completion implies the head walk's for segment_scan, which
+      // reads S_1 (a plain launch waits only for the grid before it).
+      if (kMap && (blockIdx.x | blockIdx.y | blockIdx.z) == 0)
+        asm volatile("griddepcontrol.wait;\n" ::: "memory");
+      return;
+    }
     c_begin = seg * a.seg_chunks;
     c_end = min(nchunks, c_begin + a.seg_chunks);
     last_segment = seg == nseg - 1;
@@ -312,8 +338,9 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
   // while chunk_prepare still runs: the wait returns once chunk_prepare has completed and its writes
   // (records, error word) are visible, and every block passes it before it writes or exits, so the
   // walk's completion still implies chunk_prepare's for the launches after it.  Without the launch
-  // attribute it returns at once.  (The segment passes return above without it: they launch plainly.)
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  // attribute it returns at once.  The segment maps skip it: their primary is the head walk, whose
+  // results they do not read (see above); the segment walks launch plainly.
+  if constexpr (!kMap) asm volatile("griddepcontrol.wait;\n" ::: "memory");
 
   // Start loading the first chunk before touching the state, and before the error word and the pool
   // row are tested: both are loads whose round trips then overlap the first record's instead of
@@ -381,7 +408,7 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
       }
     }
   };
-  if constexpr (kWhole) {
+  if constexpr (kWhole || kHead) {
     if (a.h0_pairs) {
       // Every load is issued before any is converted: with the conversion next to its load, the bf16
       // path reused one register for all 32 loads and waited for each in turn (+4 us a call).
@@ -460,7 +487,7 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
   // of chunks [c_begin, c_end), and the sequence's last segment also those at its end.
   int next_ckpt = 0;
   const int64_t ckpt_row0 = n * a.n_ckpt;
-  if constexpr (!kWhole && !kMap) {
+  if constexpr (!kWhole && !kHead && !kMap) {
     if (a.ckpt_offsets != nullptr) {
       while (next_ckpt < a.n_ckpt &&
              load_index(a.ckpt_offsets, a.ckpt_int64, ckpt_row0 + next_ckpt) / kChunk < c_begin)
@@ -774,6 +801,20 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
       }
     }
     return;
+  }
+  if constexpr (kHead) {
+    if (!last_segment) {  // the head walk: S_1 (fp32) for segment_scan and segment 1's walk
+      float* dst = segment_block<D>(a, n, sp, 1, h, kSegStart);
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+          *reinterpret_cast<float2*>(dst + static_cast<int64_t>(r0 + 8 * (e >> 1)) * D + 8 * j + 2 * t) =
+              make_float2(s[j][e], s[j][e + 1]);
+        }
+      }
+      return;
+    }
   }
   if (a.ckpt_offsets != nullptr && last_segment) write_checkpoints(nchunks);  // (the map pass returned above)
   if (a.ht != nullptr && last_segment && a.ht_vec16) {

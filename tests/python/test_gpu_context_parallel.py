@@ -101,6 +101,45 @@ def test_automatic_choice_on_a_long_sequence(gen, D):
     base.judge(gen, inp, out, fs, base.SPEC_OUT, base.SPEC_STATE)
 
 
+@pytest.mark.parametrize("lens", [[16384], [3000, 70, 2500, 0, 640]], ids=["automatic", "varlen-seg5"])
+def test_maps_beside_head_walk_match_plain_launches(gen, monkeypatch, lens):
+    """The segment maps launch programmatically after the head walk (segment 0, walked at once) and
+    run beside it, and one idle map block waits for it so that segment_scan, which reads S_1, follows
+    both; FLASHKDA_PREFILL_PDL=0 launches the maps plainly, after the head walk.  Both give the same
+    bits, in place on a pool (a padded sequence among them), within the reference's tolerances."""
+    if len(lens) > 1:
+        monkeypatch.setenv("FLASHKDA_PREFILL_SEGMENT_CHUNKS", "5")
+    H, N, P = 2, len(lens), len(lens) + 3
+    inp = make_inputs(lens, H=H, D=128, device=DEV, generator=gen)
+    pool = (0.1 * torch.randn(P, H, 128, 128, generator=gen)).to(DEV)
+    idx = torch.randperm(P, generator=gen)[:N].to(torch.int32)
+    if N > 1:
+        idx[1] = -1  # padding: zero output, no state touched
+    idx = idx.to(DEV)
+    results = []
+    for pdl in ("0", None):
+        if pdl is None:
+            monkeypatch.delenv("FLASHKDA_PREFILL_PDL", raising=False)
+        else:
+            monkeypatch.setenv("FLASHKDA_PREFILL_PDL", pdl)
+        state = pool.clone()
+        out = torch.full(inp["v"].shape, float("nan"), dtype=torch.bfloat16, device=DEV)
+        base.run(dict(inp, initial_state=state), out, state, state_indices=idx)  # in place, like serving
+        torch.cuda.synchronize()
+        results.append((out, state))
+    (o0, s0), (o1, s1) = results
+    assert torch.equal(o0, o1) and torch.equal(s0, s1), "programmatic and plain launches differ"
+    ref_out, ref_final = base.R.prefill(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"],
+                                        **dict(base.op_kwargs(inp), initial_state=pool), state_indices=idx)
+    ref_pool = base.R.update_state_pool(pool, ref_final, idx)
+    assert torch.isfinite(o1.float()).all() and torch.isfinite(s1).all()
+    assert base.rel_err(o1, ref_out) <= base.SPEC_OUT
+    used = [int(r) for r in idx.tolist() if r >= 0]
+    assert base.rel_err(s1[used], ref_pool[used]) <= base.SPEC_STATE
+    untouched = [r for r in range(P) if r not in used]
+    assert torch.equal(s1[untouched], pool[untouched])
+
+
 def test_long_sequences_with_segments_of_many_chunks(gen, monkeypatch):
     """Segments of 5 chunks over two long sequences and a short one."""
     monkeypatch.setenv("FLASHKDA_PREFILL_SEGMENT_CHUNKS", "5")
