@@ -20,6 +20,24 @@ int64_t forced_segment_chunks() {
   return v > 0 ? static_cast<int64_t>(v) : 0;
 }
 
+// With few sequences x heads the walk uses b = N H D / 64 blocks of the GPU's SMs.  Segment 0 is
+// walked at once (the head walk, b SMs) beside the maps of segments 1 .. nseg - 2 (2 b blocks each,
+// two per SM: b SMs each), and segments 1 .. nseg - 1 are walked after the scan (b SMs each): both
+// phases fill (nseg - 1) b SMs, so nseg - 1 = (sms - 1) / b (one SM kept for the map grid's block
+// that waits for the head walk).  Segments are at least kCpMinSegmentChunks long (the workspace
+// bound), and the split needs three of them to pay (two are the head walk and one segment walk,
+// back to back).
+int64_t auto_segment_chunks(int64_t num_seqs, int64_t num_heads, int64_t head_dim, int64_t chunks_max,
+                            int sms) {
+  if (num_seqs <= 0 || num_heads <= 0 || head_dim < 64 || sms <= 1) return 0;
+  if (num_seqs * num_heads > kCpMaxSeqHeads) return 0;
+  const int64_t blocks = num_seqs * num_heads * (head_dim / 64);
+  const int64_t nseg = (sms - 1) / blocks + 1;
+  if (nseg < 3) return 0;
+  const int64_t len = std::max(kCpMinSegmentChunks, (chunks_max + nseg - 1) / nseg);
+  return chunks_max > 2 * len ? len : 0;
+}
+
 size_t segment_area_bytes(int64_t total_tokens, int64_t num_heads, int64_t num_seqs, int64_t head_dim) {
   const int64_t forced = forced_segment_chunks();
   int64_t seg_chunks = kCpMinSegmentChunks, seqs = num_seqs;

@@ -181,24 +181,12 @@ void fill_token_args(Args* a, const Params& p, int64_t head_dim, void* workspace
   a->error_word = static_cast<int*>(workspace);
 }
 
-// Segment length (chunks) of the context-parallel recurrence, 0 for the sequence-parallel one.
-// With few sequences x heads the walk uses b = N H D / 64 blocks of the GPU's SMs.  Segment 0 is
-// walked at once (the head walk, b SMs) beside the maps of segments 1 .. nseg - 2 (2 b blocks each,
-// two per SM: b SMs each), and segments 1 .. nseg - 1 are walked after the scan (b SMs each): both
-// phases fill (nseg - 1) b SMs, so nseg - 1 = (sms - 1) / b (one SM kept for the map grid's block
-// that waits for the head walk).  Segments are at least kCpMinSegmentChunks long (the workspace
-// bound), and the split needs three of them to pay (two are the head walk and one segment walk,
-// back to back).
-// chunks_max: chunks of the longest possible sequence (all T tokens of a row).
+// Segment length (chunks) of the context-parallel recurrence, 0 for the sequence-parallel one: the
+// dev switch's, else the automatic plan (auto_segment_chunks, api.cpp).
 int64_t segment_chunks(const ProblemShape& shape, int64_t chunks_max, int sms) {
   const int64_t forced = forced_segment_chunks();
   if (forced != 0) return forced > 0 ? forced : 0;
-  if (shape.N * shape.H > kCpMaxSeqHeads || shape.N <= 0 || shape.H <= 0) return 0;
-  const int64_t blocks = shape.N * shape.H * (shape.K / 64);
-  const int64_t nseg = (sms - 1) / blocks + 1;
-  if (nseg < 3) return 0;
-  const int64_t len = std::max(kCpMinSegmentChunks, (chunks_max + nseg - 1) / nseg);
-  return chunks_max > 2 * len ? len : 0;
+  return auto_segment_chunks(shape.N, shape.H, shape.K, chunks_max, sms);
 }
 
 Status run_prefill_cuda(const PrefillParams& p, const ProblemShape& shape, void* workspace, Stream stream) {

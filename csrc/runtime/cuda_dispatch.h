@@ -34,6 +34,10 @@ constexpr int64_t kCpMinSegmentChunks = 32;
 // workspace_size() then reserves the larger area that needs.  =off: never (A/B benchmarks).
 // Returns L, -1 for off, 0 when unset (the automatic choice).
 int64_t forced_segment_chunks();
+// The automatic context-parallel plan: segment length in chunks for num_seqs x num_heads sequences of
+// at most chunks_max chunks on `sms` SMs, 0 for the sequence-parallel walk (api.cpp says why).
+int64_t auto_segment_chunks(int64_t num_seqs, int64_t num_heads, int64_t head_dim, int64_t chunks_max,
+                            int sms);
 // Bytes of the context-parallel area that follows the chunk records.
 size_t segment_area_bytes(int64_t total_tokens, int64_t num_heads, int64_t num_seqs, int64_t head_dim);
 // Bytes of the chunk-record area: one record per (chunk slot, head), with total / C + N + 1 slots.
