@@ -51,6 +51,8 @@
 
 #include <cuda_fp16.h>
 
+#include <utility>
+
 #include "sm90/kda_common.cuh"
 #include "sm90/kda_walk_order.h"
 #include "sm90/kda_wgmma.cuh"
@@ -99,25 +101,17 @@ struct RecurrenceSmem {
 // m64n16k16 blocks: D's column block J (tiles 2 J, 2 J + 1) takes K steps 0 .. J (B's row block J of step ks
 // is 512 (J - ks) bytes into the step), the first overwriting: 10 blocks where a full tile takes 16.  Only
 // m64n16k16 on D: an accumulator shared with other shapes made ptxas serialise the kernel's wgmma (C7511).
+template <int J, int... kSteps>
+__device__ __forceinline__ void triangle_column(float (&d)[8][4], const uint32_t (&a)[4][4], uint64_t tri,
+                                                std::integer_sequence<int, kSteps...>) {
+  (wgmma_m64n16k16_f16_rs<2 * J, (kSteps != 0)>(d, a[kSteps], desc_offset(tri, tri64_block(J, kSteps))), ...);
+}
 __device__ __forceinline__ void triangle_product_first(float (&d)[8][4], const uint32_t (&a)[4][4],
                                                        uint64_t tri) {
-#pragma unroll
-  for (int J = 0; J < 4; ++J) {
-#pragma unroll
-    for (int ks = 0; ks <= J; ++ks) {
-      const uint64_t desc = desc_offset(tri, tri64_block(J, ks));
-      if (ks == 0) {
-        if (J == 0) wgmma_m64n16k16_f16_rs<0, false>(d, a[0], desc);
-        if (J == 1) wgmma_m64n16k16_f16_rs<2, false>(d, a[0], desc);
-        if (J == 2) wgmma_m64n16k16_f16_rs<4, false>(d, a[0], desc);
-        if (J == 3) wgmma_m64n16k16_f16_rs<6, false>(d, a[0], desc);
-      } else {
-        if (J == 1) wgmma_m64n16k16_f16_rs<2>(d, a[ks], desc);
-        if (J == 2) wgmma_m64n16k16_f16_rs<4>(d, a[ks], desc);
-        if (J == 3) wgmma_m64n16k16_f16_rs<6>(d, a[ks], desc);
-      }
-    }
-  }
+  triangle_column<0>(d, a, tri, std::make_integer_sequence<int, 1>{});
+  triangle_column<1>(d, a, tri, std::make_integer_sequence<int, 2>{});
+  triangle_column<2>(d, a, tri, std::make_integer_sequence<int, 3>{});
+  triangle_column<3>(d, a, tri, std::make_integer_sequence<int, 4>{});
 }
 
 // A 16 x 64 accumulator tile times `scale` as the fp16 A fragments of four k16 steps (the accumulator's
