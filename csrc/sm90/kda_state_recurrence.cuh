@@ -782,10 +782,9 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
     }
   }
 
-  if constexpr (kMap) {
-    // The segment's map: rows of L (part 1) or of A (part 2).
-    float* dst = segment_block<D>(a, n, sp, seg, h, a_rows ? kSegMapA : kSegMapL);
-    const int row0 = r0 - (a_rows ? D : 0);
+  // The thread's state rows row0, row0 + 8 (fragment layout, fp32 pairs) into a D x D fp32 block of
+  // the workspace (a segment's map, or S_1).
+  auto store_state_rows = [&](float* dst, int row0) {
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
 #pragma unroll
@@ -794,19 +793,15 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
             make_float2(s[j][e], s[j][e + 1]);
       }
     }
+  };
+  if constexpr (kMap) {
+    // The segment's map: rows of L (part 1) or of A (part 2).
+    store_state_rows(segment_block<D>(a, n, sp, seg, h, a_rows ? kSegMapA : kSegMapL), r0 - (a_rows ? D : 0));
     return;
   }
   if constexpr (kHead) {
     if (!last_segment) {  // the head walk: S_1 (fp32) for segment_scan and segment 1's walk
-      float* dst = segment_block<D>(a, n, sp, 1, h, kSegStart);
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; e += 2) {
-          *reinterpret_cast<float2*>(dst + static_cast<int64_t>(r0 + 8 * (e >> 1)) * D + 8 * j + 2 * t) =
-              make_float2(s[j][e], s[j][e + 1]);
-        }
-      }
+      store_state_rows(segment_block<D>(a, n, sp, 1, h, kSegStart), r0);
       return;
     }
   }

@@ -286,6 +286,14 @@ def test_deterministic(gen):
         assert torch.equal(out, results[0][0]) and torch.equal(fs, results[0][1])
 
 
+def set_programmatic_launch(monkeypatch, on):
+    """The default (programmatic launches) or the dev switch FLASHKDA_PREFILL_PDL=0 (plain ones)."""
+    if on:
+        monkeypatch.delenv("FLASHKDA_PREFILL_PDL", raising=False)
+    else:
+        monkeypatch.setenv("FLASHKDA_PREFILL_PDL", "0")
+
+
 @pytest.mark.parametrize("case", ["8-warp walk", "pool with padding", "bad cu_seqlens"])
 def test_programmatic_walk_launch_matches_plain(gen, monkeypatch, case):
     """The 8-warp whole walk follows chunk_prepare with programmatic stream serialisation (its prologue
@@ -302,11 +310,8 @@ def test_programmatic_walk_launch_matches_plain(gen, monkeypatch, case):
     if case == "bad cu_seqlens":
         inp = dict(inp, cu_seqlens=torch.tensor([0, 200, 150, 394, 395], dtype=torch.int32, device=DEV))
     results = []
-    for pdl in ("0", None):
-        if pdl is None:
-            monkeypatch.delenv("FLASHKDA_PREFILL_PDL", raising=False)
-        else:
-            monkeypatch.setenv("FLASHKDA_PREFILL_PDL", pdl)
+    for pdl in (False, True):
+        set_programmatic_launch(monkeypatch, pdl)
         out, fs = poisoned_outputs(inp, P=P)
         ws = flashkda.new_workspace(inp["q"], inp["cu_seqlens"])
         if P is not None:  # in place on the pool, as engines call it

@@ -117,11 +117,8 @@ def test_maps_beside_head_walk_match_plain_launches(gen, monkeypatch, lens):
         idx[1] = -1  # padding: zero output, no state touched
     idx = idx.to(DEV)
     results = []
-    for pdl in ("0", None):
-        if pdl is None:
-            monkeypatch.delenv("FLASHKDA_PREFILL_PDL", raising=False)
-        else:
-            monkeypatch.setenv("FLASHKDA_PREFILL_PDL", pdl)
+    for pdl in (False, True):
+        base.set_programmatic_launch(monkeypatch, pdl)
         state = pool.clone()
         out = torch.full(inp["v"].shape, float("nan"), dtype=torch.bfloat16, device=DEV)
         base.run(dict(inp, initial_state=state), out, state, state_indices=idx)  # in place, like serving
