@@ -55,10 +55,15 @@ Status launch_recurrence(const PrefillArgs& args, int num_sms, cudaStream_t stre
   // Measured on an H100 (perf-notes v27): 16x64 H16 -4.5% a call (faster in 7 of 7 rounds), the large
   // batched rows within +-0.5%; earlier versions that also reordered the walk's first copies or took
   // the one-wave 4-warp walks and the segment maps along were slower there (v23, v24), so those launch
-  // plainly.
+  // plainly (again measured at v32 with the kernel unchanged: 1x512 H16 +5%, the walk waiting out
+  // chunk_prepare).
   // The segment maps follow the head walk the same way (launch_context_parallel), so that they run
-  // beside it.
-  const bool pdl = ((kMode == RecurrenceMode::kWhole && NW == 8) || kMap) && a.walk_pdl;
+  // beside it, and the segment walks follow segment_scan the same way, so that their launch and prologue
+  // (spans, the pool row's load) overlap the scan (with the scan's own programmatic launch: 1x16384 H16
+  // -0.66%, v32).  The head walk launches plainly: launched programmatically it measured +0.5% there.
+  const bool pdl =
+      ((kMode == RecurrenceMode::kWhole && NW == 8) || kMap || kMode == RecurrenceMode::kSegmentApply) &&
+      a.walk_pdl;
   return launch_maybe_programmatic(kernel, grid, dim3(32 * NW), SM::kBytes, pdl, stream,
                                    "state_recurrence launch", a);
 }
@@ -79,9 +84,11 @@ Status launch_context_parallel(const PrefillArgs& a, int num_sms, cudaStream_t s
     if (!st.ok()) return st;
     cudaError_t e = set_smem_limit_once<segment_scan_kernel<D>>(ScanSmem<D>::kBytes);
     if (e != cudaSuccess) return cuda_status(e, "segment_scan smem attribute");
-    segment_scan_kernel<D><<<dim3(static_cast<unsigned>(a.N), static_cast<unsigned>(a.H), D / 16),
-                             scan_threads<D>(), ScanSmem<D>::kBytes, stream>>>(a);
-    st = cuda_status(cudaGetLastError(), "segment_scan launch");
+    // Programmatic after the maps (which trigger at their start): the scan's blocks are placed on
+    // the SMs that phase 1 leaves free and wait there for the maps' completion.
+    st = launch_maybe_programmatic(
+        segment_scan_kernel<D>, dim3(static_cast<unsigned>(a.N), static_cast<unsigned>(a.H), D / 16),
+        dim3(scan_threads<D>()), ScanSmem<D>::kBytes, a.walk_pdl != 0, stream, "segment_scan launch", a);
     if (!st.ok()) return st;
   }
   return launch_recurrence<D, 4, RecurrenceMode::kSegmentApply>(a, num_sms, stream);

@@ -61,6 +61,13 @@ __global__ void __launch_bounds__(scan_threads<D>()) segment_scan_kernel(const P
   extern __shared__ __align__(128) unsigned char smem[];
   float* sS = reinterpret_cast<float*>(smem + SM::kS);
 
+  // The segment walks, launched programmatically after this grid, may be placed once every block here
+  // has started (they wait for its completion before they read a start state).  Launched
+  // programmatically after the segment maps, every block here waits for their completion (which
+  // implies the head walk's and chunk_prepare's) before it reads anything they wrote, the error word
+  // included, and before it exits, so that the scan's completion implies theirs.
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
   if (*reinterpret_cast<volatile int*>(a.error_word) != 0) return;  // bad indices: write nothing
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

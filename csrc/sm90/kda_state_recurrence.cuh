@@ -32,6 +32,9 @@
 // (kda_prefill_sm90.cuh): the prologue up to the spans (and the pool row's load) runs before
 // griddepcontrol.wait; after it the first record and v-row copies are issued, then the error word and
 // the pool row are tested (their loads overlap the copies), then the state is read and the walk runs.
+// Context parallelism: the head walk launches plainly, the segment maps programmatically after it (no
+// wait: they read only chunk_prepare's records), segment_scan after the maps and the segment walks after
+// the scan programmatically too, each waiting for the grid before it (launch_context_parallel).
 //
 // Block order (kWhole, varlen, more blocks than SMs): blocks take (sequence, head) longest sequence
 // first, head fastest (a.walk_longest_first), so that the longest walks start in the first wave and
@@ -262,8 +265,10 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
   unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
   auto out_tile = [&](int c) { return reinterpret_cast<bf16*>(smem + SM::kOut + (c & 1) * SM::kOutTile); };
 
-  // The segment maps launch programmatically after the head walk and run beside it.
-  if constexpr (kHead) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  // The segment maps launch programmatically after the head walk and run beside it; segment_scan after
+  // the maps, so that its launch and its blocks' placement (on the SMs phase 1 leaves free) overlap
+  // the maps instead of following them (it waits for their completion before it reads anything).
+  if constexpr (kHead || kMap) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   int64_t n = (kWhole || kHead) ? blockIdx.x : blockIdx.x / a.max_segs;
@@ -308,6 +313,13 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
       last_segment = false;
     }
   } else if constexpr (!kWhole) {
+    // The segment walks launch programmatically after segment_scan; every block of theirs, idle ones
+    // included, waits for it here, so that their grid's completion implies the scan's (and through it
+    // the maps', the head walk's and chunk_prepare's) for whatever the stream runs next, even when no
+    // sequence has a second segment.  (Waiting in the idle path only, before its return, made ptxas
+    // move the segment walk's descriptors out of the uniform registers: 223 -> 242 registers, +175
+    // instructions a chunk.)
+    if constexpr (!kMap) asm volatile("griddepcontrol.wait;\n" ::: "memory");
     // Segment 0 is the head walk's (no map, no segment walk); the map of a sequence's last segment
     // would never be used.
     const int nseg = num_segments(a, sp.len);
@@ -333,8 +345,10 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
   // (records, error word) are visible, and every block passes it before it writes or exits, so the
   // walk's completion still implies chunk_prepare's for the launches after it.  Without the launch
   // attribute it returns at once.  The segment maps skip it: their primary is the head walk, whose
-  // results they do not read (see above); the segment walks launch plainly.
-  if constexpr (!kMap) asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  // results they do not read (see above).  The segment walks waited above, for segment_scan (launched
+  // programmatically after the maps), whose completion implies the maps', the head walk's and
+  // chunk_prepare's: every block of each passes its own wait (the maps' through block (0, 0, 0)).
+  if constexpr (kWhole || kHead) asm volatile("griddepcontrol.wait;\n" ::: "memory");
 
   // Start loading the first chunk before touching the state, and before the error word and the pool
   // row are tested: both are loads whose round trips then overlap the first record's instead of

@@ -101,12 +101,16 @@ def test_automatic_choice_on_a_long_sequence(gen, D):
     base.judge(gen, inp, out, fs, base.SPEC_OUT, base.SPEC_STATE)
 
 
-@pytest.mark.parametrize("lens", [[16384], [3000, 70, 2500, 0, 640]], ids=["automatic", "varlen-seg5"])
+@pytest.mark.parametrize("lens", [[16384], [3000, 70, 2500, 0, 640], [300, 300, 300, 300]],
+                         ids=["automatic", "varlen-seg5", "one-segment-each"])
 def test_maps_beside_head_walk_match_plain_launches(gen, monkeypatch, lens):
     """The segment maps launch programmatically after the head walk (segment 0, walked at once) and
     run beside it, and one idle map block waits for it so that segment_scan, which reads S_1, follows
-    both; FLASHKDA_PREFILL_PDL=0 launches the maps plainly, after the head walk.  Both give the same
-    bits, in place on a pool (a padded sequence among them), within the reference's tolerances."""
+    both; segment_scan and the segment walks launch programmatically too, each waiting for the grid
+    before it.  FLASHKDA_PREFILL_PDL=0 launches them all plainly.  Both give the same bits, in place on
+    a pool (a padded sequence among them), within the reference's tolerances.  one-segment-each: four
+    segments planned from T, none used (every sequence fits in segment 0): every map, scan and
+    segment-walk block is idle, and the call still ends after the head walk."""
     if len(lens) > 1:
         monkeypatch.setenv("FLASHKDA_PREFILL_SEGMENT_CHUNKS", "5")
     H, N, P = 2, len(lens), len(lens) + 3
