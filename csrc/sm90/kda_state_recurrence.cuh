@@ -313,12 +313,12 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
       last_segment = false;
     }
   } else if constexpr (!kWhole) {
-    // The segment walks launch programmatically after segment_scan; every block of theirs, idle ones
-    // included, waits for it here, so that their grid's completion implies the scan's (and through it
-    // the maps', the head walk's and chunk_prepare's) for whatever the stream runs next, even when no
-    // sequence has a second segment.  (Waiting in the idle path only, before its return, made ptxas
-    // move the segment walk's descriptors out of the uniform registers: 223 -> 242 registers, +175
-    // instructions a chunk.)
+    // The segment walks launch programmatically after segment_scan (after the head walk when no map is
+    // needed: fewer than three segments); every block of theirs, idle ones included, waits for it here, so
+    // that their grid's completion implies the scan's (and through it the maps', the head walk's and
+    // chunk_prepare's) for whatever the stream runs next, even when no sequence has a second segment.
+    // (Waiting in the idle path only, before its return, made ptxas move the segment walk's descriptors out
+    // of the uniform registers: 223 -> 242 registers, +175 instructions a chunk.)
     if constexpr (!kMap) asm volatile("griddepcontrol.wait;\n" ::: "memory");
     // Segment 0 is the head walk's (no map, no segment walk); the map of a sequence's last segment
     // would never be used.
