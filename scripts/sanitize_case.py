@@ -118,6 +118,33 @@ for pool_dtype in (torch.float32, torch.bfloat16):
               flashkda.read_device_error(dws), "(expected 2)")
     os.environ.pop("FLASHKDA_DECODE_KERNEL")
 
+# Spec decode 1+3, then plain decode, on the pipelined kernel (forced): ~6 items a block, so every stage is
+# reused; a padded request and a skipped write (slot -1) among them.  The small decode case above runs the
+# one-wave kernels, and the fixed layout's default for many requests is the stream kernels.
+os.environ["FLASHKDA_DECODE_KERNEL"] = "pipelined"
+for pool_dtype in (torch.float32, torch.bfloat16):
+    Ns, Ts = 200, 4
+    spool = (0.1 * torch.randn(5 * Ns, H, D, D, device="cuda")).to(pool_dtype)
+    sq, sk, sv, sg = (torch.randn(Ns, Ts, H, D, device="cuda").bfloat16() for _ in range(4))
+    sb = torch.randn(Ns, Ts, H, device="cuda").bfloat16()
+    sout = torch.full((Ns, Ts, H, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+    sslots = torch.randperm(5 * Ns, device="cuda")[:Ns * Ts].view(Ns, Ts).to(torch.int32)
+    sslots[3, :] = -1
+    sslots[9, 2] = -1
+    sacc = torch.randint(1, Ts + 1, (Ns,), device="cuda", dtype=torch.int32)
+    torch.ops.flashkda.decode(sq, sk, sv, sg, sb, sout, spool, sslots, num_accepted_tokens=sacc, A_log=A_log,
+                              dt_bias=dt_bias, workspace=dws)
+    torch.cuda.synchronize()
+    print("spec pipelined", pool_dtype, "device error", flashkda.read_device_error(dws), "out NaN",
+          int(sout.isnan().sum()))
+    pout1 = torch.full((Ns, 1, H, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+    torch.ops.flashkda.decode(sq[:, :1], sk[:, :1], sv[:, :1], sg[:, :1], sb[:, :1], pout1, spool,
+                              sslots[:, 0].contiguous(), A_log=A_log, dt_bias=dt_bias, workspace=dws)
+    torch.cuda.synchronize()
+    print("plain pipelined", pool_dtype, "device error", flashkda.read_device_error(dws), "out NaN",
+          int(pout1.isnan().sum()))
+os.environ.pop("FLASHKDA_DECODE_KERNEL")
+
 # Context-parallel prefill (segment maps, segment_scan, segment walks), forced with segments of 1 chunk
 # over the same sequences, in place on a pool with a padded sequence, D = 128 and D = 64.
 os.environ["FLASHKDA_PREFILL_SEGMENT_CHUNKS"] = "1"
