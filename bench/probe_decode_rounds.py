@@ -6,7 +6,9 @@ same items over its state blocks.  If the call is ceil(items / G) rounds of one 
 staircase in N: flat while the round count stays, a step of one round's time where it grows.  A time
 linear in N (a per-request cost plus a fixed one) says the opposite.  This times one kind of call (spec 1+3
 or plain, fp32 or bf16 pool) at a list of N with CUDA-graph replays (bench_decode's case and timing) and
-prints, beside each time, the items, the rounds of the pipelined kernel's grid and time / rounds.
+prints, beside each time, the items, the rounds of the pipelined kernel's grid and time / rounds (plain
+fixed-layout calls run the plain stream kernel by default, whose grid differs: for the same reading of
+plain calls, force the pipelined kernel with FLASHKDA_DECODE_KERNEL=pipelined).
 
     python3 bench/probe_decode_rounds.py --mode spec --Ns 56,60,64,66,68,72,80 --json out.json
 """
