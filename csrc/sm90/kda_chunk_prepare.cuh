@@ -703,7 +703,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   // A walk launched programmatically after this grid (launch_recurrence) may be scheduled once every
   // block here has started; it waits for this grid's completion (griddepcontrol.wait) before it reads
   // a record or the error word.  No effect on a plain launch.
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  pdl_launch_dependents();
   if (blockIdx.x == 0 && blockIdx.y == 0) validate_device_inputs(a);
   if (a.state_indices && blockIdx.y == 0)
     check_state_rows_distinct(a, reinterpret_cast<int64_t*>(smem + SM::kQ));

@@ -448,6 +448,14 @@ __device__ inline void bulk_store_wait_read() {
 __device__ inline void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
+// Programmatic dependent launch (griddepcontrol; both are no-ops when the grid was not launched with
+// the programmatic-serialisation attribute).  pdl_launch_dependents: the next grid in the stream may be
+// placed once every block of this one has executed it (or exited).  pdl_wait_primary: blocks until the
+// grid this one was launched after has completed and its memory operations are visible.
+__device__ __forceinline__ void pdl_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+__device__ __forceinline__ void pdl_wait_primary() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 // Makes this thread's mbarrier.init visible to the async proxy (the TMA completing bytes on them)
 // and, after a barrier, to the other threads of the cluster.
 __device__ inline void fence_mbarrier_init() {

@@ -193,8 +193,8 @@ __device__ inline uint32_t touch_decode_params(const DecodeArgs& a) {
 // kernel (its writes visible) before touching global memory, then lets the next kernel launch its own
 // set-up into free SM slots.  Without the launch attribute both are no-ops.
 __device__ __forceinline__ void decode_wait_previous_kernel() {
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  pdl_wait_primary();
+  pdl_launch_dependents();
 }
 
 // The set-up of a one-wave or stream decode block (kda_decode_latency / _fixed / _stream.cuh) before

@@ -66,8 +66,8 @@ __global__ void __launch_bounds__(scan_threads<D>()) segment_scan_kernel(const P
   // programmatically after the segment maps, every block here waits for their completion (which
   // implies the head walk's and chunk_prepare's) before it reads anything they wrote, the error word
   // included, and before it exits, so that the scan's completion implies theirs.
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  pdl_launch_dependents();
+  pdl_wait_primary();
   if (*reinterpret_cast<volatile int*>(a.error_word) != 0) return;  // bad indices: write nothing
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

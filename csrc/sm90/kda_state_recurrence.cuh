@@ -268,7 +268,7 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
   // The segment maps launch programmatically after the head walk and run beside it; segment_scan after
   // the maps, so that its launch and its blocks' placement (on the SMs phase 1 leaves free) overlap
   // the maps instead of following them (it waits for their completion before it reads anything).
-  if constexpr (kHead || kMap) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  if constexpr (kHead || kMap) pdl_launch_dependents();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   int64_t n = (kWhole || kHead) ? blockIdx.x : blockIdx.x / a.max_segs;
@@ -319,7 +319,7 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
     // chunk_prepare's) for whatever the stream runs next, even when no sequence has a second segment.
     // (Waiting in the idle path only, before its return, made ptxas move the segment walk's descriptors out
     // of the uniform registers: 223 -> 242 registers, +175 instructions a chunk.)
-    if constexpr (!kMap) asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    if constexpr (!kMap) pdl_wait_primary();
     // Segment 0 is the head walk's (no map, no segment walk); the map of a sequence's last segment
     // would never be used.
     const int nseg = num_segments(a, sp.len);
@@ -328,8 +328,7 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
       // chunk_prepare's records); block (0, 0, 0), always idle (segment 0), waits for it before it
       // exits, so that the map grid's completion implies the head walk's for segment_scan, which
       // reads S_1 (a plain launch waits only for the grid before it).
-      if (kMap && (blockIdx.x | blockIdx.y | blockIdx.z) == 0)
-        asm volatile("griddepcontrol.wait;\n" ::: "memory");
+      if (kMap && (blockIdx.x | blockIdx.y | blockIdx.z) == 0) pdl_wait_primary();
       return;
     }
     c_begin = seg * a.seg_chunks;
@@ -348,7 +347,7 @@ __global__ void __launch_bounds__(32 * NW, kMode == RecurrenceMode::kSegmentMap 
   // results they do not read (see above).  The segment walks waited above, for segment_scan (launched
   // programmatically after the maps), whose completion implies the maps', the head walk's and
   // chunk_prepare's: every block of each passes its own wait (the maps' through block (0, 0, 0)).
-  if constexpr (kWhole || kHead) asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  if constexpr (kWhole || kHead) pdl_wait_primary();
 
   // Start loading the first chunk before touching the state, and before the error word and the pool
   // row are tested: both are loads whose round trips then overlap the first record's instead of
