@@ -52,11 +52,12 @@ def main():
         us = statistics.median(times)
         items = N * args.H * slices
         rounds = math.ceil(items / grid)
-        floor_us = bd.decode_floor_bytes(N, T, args.H, bd.D, 4 if args.dtype == "fp32" else 2, spec) / copy_bw * 1e6
-        rows.append(dict(N=N, us=us, items=items, rounds=rounds, work_rounds=items / grid, us_per_round=us / rounds,
-                         floor_us=floor_us, pct_copy_bw=100 * floor_us / us))
-        print(f"N={N:4d}  {us:8.1f} us  items {items:6d}  rounds {rounds:3d} ({items / grid:6.2f} of work)"
-              f"  {us / rounds:6.2f} us a round  {100 * floor_us / us:5.1f}% of copy BW", flush=True)
+        floor_us = bd.decode_floor_bytes(N, T, args.H, bd.D, dtype.itemsize, spec) / copy_bw * 1e6
+        r = dict(N=N, us=us, items=items, rounds=rounds, work_rounds=items / grid, us_per_round=us / rounds,
+                 floor_us=floor_us, pct_copy_bw=100 * floor_us / us)
+        rows.append(r)
+        print(f"N={N:4d}  {us:8.1f} us  items {items:6d}  rounds {rounds:3d} ({r['work_rounds']:6.2f} of work)"
+              f"  {r['us_per_round']:6.2f} us a round  {r['pct_copy_bw']:5.1f}% of copy BW", flush=True)
     meta = bp.run_meta()
     meta.update(mode=args.mode, dtype=args.dtype, H=args.H, grid=grid, copy_bandwidth_TBps=copy_bw / 1e12,
                 kernel=os.environ.get("FLASHKDA_DECODE_KERNEL", "auto"))

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 
 import torch
 
-sys.path.insert(0, "bench")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_prefill import D, LOWER_BOUND, by_label, copy_bandwidth, make_inputs, run_meta  # noqa: E402
 
 import flashkda  # noqa: E402

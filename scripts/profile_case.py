@@ -6,11 +6,12 @@
 The optional second argument is one of bench_prefill's serving variants (bf16_state, pool, checkpoints,
 ...): the call then goes through flashkda.prefill with that feature on.
 """
+import os
 import sys
 
 import torch
 
-sys.path.insert(0, "bench")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 from bench_prefill import CASES, Ours, OursVariant, make_inputs  # noqa: E402
 
 name, lens, H = CASES[int(sys.argv[1]) if len(sys.argv) > 1 else 0]
