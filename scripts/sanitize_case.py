@@ -1,5 +1,6 @@
 """A small varlen prefill with empty and short sequences, for compute-sanitizer (memcheck/racecheck)."""
 import os
+import types
 
 import torch
 
@@ -74,21 +75,41 @@ flashkda.prefill(z0, z0, z0, z0, torch.zeros(B0, 0, 1, device="cuda", dtype=torc
 torch.cuda.synchronize()
 print("duplicate pool rows, one-block grid: device error", flashkda.read_device_error(ws0), "(expected 6)")
 
+def random_decode_case(N, T, pool_rows, pool_dtype):
+    """Random decode inputs for N requests of T tokens (H, D of the prefill above) on a pool of
+    pool_rows rows: distinct write slots drawn from a random permutation of the pool ([N, T] int32),
+    random acceptance in 1..T, and an output poisoned with NaN.  Callers pad requests or skip writes by
+    setting slots to -1."""
+    pool = (0.1 * torch.randn(pool_rows, H, D, D, device="cuda")).to(pool_dtype)
+    q, k, v, g = (torch.randn(N, T, H, D, device="cuda").bfloat16() for _ in range(4))
+    beta = torch.randn(N, T, H, device="cuda").bfloat16()
+    out = torch.full((N, T, H, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+    slots = torch.randperm(pool_rows, device="cuda")[:N * T].view(N, T).to(torch.int32)
+    acc = torch.randint(1, T + 1, (N,), device="cuda", dtype=torch.int32)
+    return types.SimpleNamespace(q=q, k=k, v=v, g=g, beta=beta, out=out, pool=pool, slots=slots, acc=acc)
+
+
+def decode_spec(c, ws):
+    """Spec decode of all T tokens: 2-D slots, the starting state at slots[n, acc[n] - 1]."""
+    torch.ops.flashkda.decode(c.q, c.k, c.v, c.g, c.beta, c.out, c.pool, c.slots, num_accepted_tokens=c.acc,
+                              A_log=A_log, dt_bias=dt_bias, workspace=ws)
+
+
+def decode_plain(c, ws, slots=None, out=None):
+    """Plain decode of each request's first token: 1-D slots (column 0 unless given)."""
+    slots = c.slots[:, 0].contiguous() if slots is None else slots
+    out = c.out[:, :1] if out is None else out
+    torch.ops.flashkda.decode(c.q[:, :1], c.k[:, :1], c.v[:, :1], c.g[:, :1], c.beta[:, :1], out, c.pool, slots,
+                              A_log=A_log, dt_bias=dt_bias, workspace=ws)
+
+
 # Decode: plain (1-D) and spec 1+3 (2-D, random acceptance, a padded request) on a bf16 and an fp32 pool.
 dws = torch.empty(torch.ops.flashkda.get_decode_workspace_size(), dtype=torch.uint8, device="cuda")
 for pool_dtype in (torch.float32, torch.bfloat16):
-    Nd, Td = 5, 4
-    dpool = (0.1 * torch.randn(4 * Nd * Td, H, D, D, device="cuda")).to(pool_dtype)
-    dq, dk, dv, dg = (torch.randn(Nd, Td, H, D, device="cuda").bfloat16() for _ in range(4))
-    db = torch.randn(Nd, Td, H, device="cuda").bfloat16()
-    dout = torch.full((Nd, Td, H, D), float("nan"), device="cuda", dtype=torch.bfloat16)
-    slots = torch.randperm(4 * Nd * Td, device="cuda")[:Nd * Td].view(Nd, Td).to(torch.int32)
-    slots[2, :] = -1
-    acc = torch.randint(1, Td + 1, (Nd,), device="cuda", dtype=torch.int32)
-    torch.ops.flashkda.decode(dq, dk, dv, dg, db, dout, dpool, slots, num_accepted_tokens=acc, A_log=A_log,
-                              dt_bias=dt_bias, workspace=dws)
-    torch.ops.flashkda.decode(dq[:, :1], dk[:, :1], dv[:, :1], dg[:, :1], db[:, :1], dout[:, :1], dpool,
-                              slots[:, 0].contiguous(), A_log=A_log, dt_bias=dt_bias, workspace=dws)
+    c = random_decode_case(5, 4, 4 * 5 * 4, pool_dtype)
+    c.slots[2, :] = -1
+    decode_spec(c, dws)
+    decode_plain(c, dws)
     torch.cuda.synchronize()
     print("decode", pool_dtype, "device error", flashkda.read_device_error(dws))
 
@@ -97,22 +118,17 @@ for pool_dtype in (torch.float32, torch.bfloat16):
 # and one whose slot is past the pool (reported, nothing written).
 for pool_dtype in (torch.float32, torch.bfloat16):
     Np = 600
-    ppool = (0.1 * torch.randn(2 * Np, H, D, D, device="cuda")).to(pool_dtype)
-    pq, pk, pv, pg = (torch.randn(Np, 1, H, D, device="cuda").bfloat16() for _ in range(4))
-    pb = torch.randn(Np, 1, H, device="cuda").bfloat16()
-    pout = torch.full((Np, 1, H, D), float("nan"), device="cuda", dtype=torch.bfloat16)
-    pslots = torch.randperm(2 * Np, device="cuda")[:Np].to(torch.int32)
+    c = random_decode_case(Np, 1, 2 * Np, pool_dtype)
+    pslots = c.slots[:, 0].contiguous()
     pslots[7] = -1
     for kernel in ("auto", "stream"):
         os.environ["FLASHKDA_DECODE_KERNEL"] = kernel
-        torch.ops.flashkda.decode(pq, pk, pv, pg, pb, pout, ppool, pslots, A_log=A_log, dt_bias=dt_bias,
-                                  workspace=dws)
+        decode_plain(c, dws, pslots)
         torch.cuda.synchronize()
         print("plain stream", kernel, pool_dtype, "device error", flashkda.read_device_error(dws))
         bad = pslots.clone()
         bad[11] = 2 * Np
-        torch.ops.flashkda.decode(pq, pk, pv, pg, pb, pout, ppool, bad, A_log=A_log, dt_bias=dt_bias,
-                                  workspace=dws)
+        decode_plain(c, dws, bad)
         torch.cuda.synchronize()
         print("plain stream", kernel, pool_dtype, "slot past the pool: device error",
               flashkda.read_device_error(dws), "(expected 2)")
@@ -123,23 +139,16 @@ for pool_dtype in (torch.float32, torch.bfloat16):
 # one-wave kernels, and the fixed layout's default for many requests is the stream kernels.
 os.environ["FLASHKDA_DECODE_KERNEL"] = "pipelined"
 for pool_dtype in (torch.float32, torch.bfloat16):
-    Ns, Ts = 200, 4
-    spool = (0.1 * torch.randn(5 * Ns, H, D, D, device="cuda")).to(pool_dtype)
-    sq, sk, sv, sg = (torch.randn(Ns, Ts, H, D, device="cuda").bfloat16() for _ in range(4))
-    sb = torch.randn(Ns, Ts, H, device="cuda").bfloat16()
-    sout = torch.full((Ns, Ts, H, D), float("nan"), device="cuda", dtype=torch.bfloat16)
-    sslots = torch.randperm(5 * Ns, device="cuda")[:Ns * Ts].view(Ns, Ts).to(torch.int32)
-    sslots[3, :] = -1
-    sslots[9, 2] = -1
-    sacc = torch.randint(1, Ts + 1, (Ns,), device="cuda", dtype=torch.int32)
-    torch.ops.flashkda.decode(sq, sk, sv, sg, sb, sout, spool, sslots, num_accepted_tokens=sacc, A_log=A_log,
-                              dt_bias=dt_bias, workspace=dws)
+    Ns = 200
+    c = random_decode_case(Ns, 4, 5 * Ns, pool_dtype)
+    c.slots[3, :] = -1
+    c.slots[9, 2] = -1
+    decode_spec(c, dws)
     torch.cuda.synchronize()
     print("spec pipelined", pool_dtype, "device error", flashkda.read_device_error(dws), "out NaN",
-          int(sout.isnan().sum()))
+          int(c.out.isnan().sum()))
     pout1 = torch.full((Ns, 1, H, D), float("nan"), device="cuda", dtype=torch.bfloat16)
-    torch.ops.flashkda.decode(sq[:, :1], sk[:, :1], sv[:, :1], sg[:, :1], sb[:, :1], pout1, spool,
-                              sslots[:, 0].contiguous(), A_log=A_log, dt_bias=dt_bias, workspace=dws)
+    decode_plain(c, dws, out=pout1)
     torch.cuda.synchronize()
     print("plain pipelined", pool_dtype, "device error", flashkda.read_device_error(dws), "out NaN",
           int(pout1.isnan().sum()))
