@@ -75,6 +75,7 @@ flashkda.prefill(z0, z0, z0, z0, torch.zeros(B0, 0, 1, device="cuda", dtype=torc
 torch.cuda.synchronize()
 print("duplicate pool rows, one-block grid: device error", flashkda.read_device_error(ws0), "(expected 6)")
 
+
 def random_decode_case(N, T, pool_rows, pool_dtype):
     """Random decode inputs for N requests of T tokens (H, D of the prefill above) on a pool of
     pool_rows rows: distinct write slots drawn from a random permutation of the pool ([N, T] int32),
