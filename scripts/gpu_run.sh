@@ -16,6 +16,9 @@
 #   BW_CEILING=1  bench/bw_ceiling.cu: copy bandwidth vs. the decode pattern (16 KB slices read and
 #               written back in place at random pool rows) without any math, by loads/stores and by
 #               TMA; bench/latency_floor.cu: the per-launch floor of a batch-1 call in a graph
+#   PROBES="cp_segments state_dtype"  also bench/probe_cp_segments.py (context parallelism's segment length
+#               forced around the automatic plan) and bench/bench_state_dtype.py (bf16 vs fp32 state, pool vs
+#               contiguous, interleaved): $OUT/cp_segments.json, $OUT/state_dtype.json
 #   DECODE_VARIANTS="FLASHKDA_DECODE_KERNEL=pipelined FLASHKDA_DECODE_PDL=0" also runs the decode
 #               benchmark (without fla) once per VAR=VALUE setting: bench_decode_<var>_<value>.json
 # Usage from the device tool (the device copy of the tree has no usable git history, so pass the
@@ -87,5 +90,12 @@ if [[ "$BENCHES" == *" decode "* ]]; then
       --no-fla $DARGS ${DECODE_BENCH_ARGS:-}
   done
 fi
+for probe in ${PROBES:-}; do
+  case "$probe" in
+    cp_segments) python3 bench/probe_cp_segments.py --json "$OUT/cp_segments.json" ;;
+    state_dtype) python3 bench/bench_state_dtype.py --rounds "${STATE_DTYPE_ROUNDS:-5}" --json "$OUT/state_dtype.json" ;;
+    *) echo "unknown probe: $probe (expected cp_segments or state_dtype)" ;;
+  esac
+done
 if [ -d /tmp/triton_cache ]; then tar czf - -C /tmp triton_cache | split -b 15M - "$OUT/triton_cache.tgz.part"; fi
 echo "total: $(( $(date +%s) - t0 )) s"
