@@ -18,7 +18,9 @@
 #               TMA; bench/latency_floor.cu: the per-launch floor of a batch-1 call in a graph
 #   PROBES="cp_segments state_dtype"  also bench/probe_cp_segments.py (context parallelism's segment length
 #               forced around the automatic plan) and bench/bench_state_dtype.py (bf16 vs fp32 state, pool vs
-#               contiguous, interleaved): $OUT/cp_segments.json, $OUT/state_dtype.json
+#               contiguous, interleaved): $OUT/cp_segments.json, $OUT/state_dtype.json;
+#               PROBES=sm_partition: bench/probe_sm_partition.py (chunk_prepare and the walk on disjoint SM
+#               sets through green contexts): $OUT/sm_partition.json
 #   DECODE_VARIANTS="FLASHKDA_DECODE_KERNEL=pipelined FLASHKDA_DECODE_PDL=0" also runs the decode
 #               benchmark (without fla) once per VAR=VALUE setting: bench_decode_<var>_<value>.json
 # Usage from the device tool (the device copy of the tree has no usable git history, so pass the
@@ -94,7 +96,8 @@ for probe in ${PROBES:-}; do
   case "$probe" in
     cp_segments) python3 bench/probe_cp_segments.py --json "$OUT/cp_segments.json" ;;
     state_dtype) python3 bench/bench_state_dtype.py --rounds "${STATE_DTYPE_ROUNDS:-5}" --json "$OUT/state_dtype.json" ;;
-    *) echo "unknown probe: $probe (expected cp_segments or state_dtype)" ;;
+    sm_partition) python3 bench/probe_sm_partition.py --json "$OUT/sm_partition.json" ;;
+    *) echo "unknown probe: $probe (expected cp_segments, state_dtype or sm_partition)" ;;
   esac
 done
 if [ -d /tmp/triton_cache ]; then tar czf - -C /tmp triton_cache | split -b 15M - "$OUT/triton_cache.tgz.part"; fi

@@ -220,6 +220,13 @@ Status run_prefill_cuda(const PrefillParams& p, const ProblemShape& shape, void*
   a.ckpt_state = ckpt ? static_cast<float*>(p.checkpoint_state.data) : nullptr;
 
   a.walk_pdl = !env_is("FLASHKDA_PREFILL_PDL", "0");  // read on every call: a test runs both in one process
+  // Probe switches (bench/probe_sm_partition.py), read on every call: one stage alone, the walk's warps.
+  a.dev_only = env_is("FLASHKDA_PREFILL_ONLY", "prepare")      ? 1
+               : env_is("FLASHKDA_PREFILL_ONLY", "recurrence") ? 2
+                                                               : 0;
+  a.walk_warps = env_is("FLASHKDA_PREFILL_WALK_WARPS", "4")   ? 4
+                 : env_is("FLASHKDA_PREFILL_WALK_WARPS", "8") ? 8
+                                                              : 0;
   const int sms = g_num_sms[p.q.device_index].load();
   const int64_t chunks_max = (shape.T + kChunkTokens - 1) / kChunkTokens;  // of the longest sequence
   const int64_t seg_chunks = segment_chunks(shape, chunks_max, sms);       // with or without checkpoints

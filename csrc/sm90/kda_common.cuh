@@ -87,6 +87,12 @@ struct PrefillArgs {
   // serialisation (default on; FLASHKDA_PREFILL_PDL=0 turns it off, a developer switch for A/B runs
   // and the bit-identity test).
   int walk_pdl;
+  // Host side only, developer switches for bench/probe_sm_partition.py (FLASHKDA_PREFILL_ONLY,
+  // FLASHKDA_PREFILL_WALK_WARPS): one stage alone (0 = a normal call, 1 = chunk_prepare only, 2 = the
+  // recurrence and checkpoints only, reading the records already in the workspace), and the whole
+  // walk's warps (4 or 8; 0 = state_block_warps' choice).  Zero-initialised args are a normal call.
+  int dev_only;
+  int walk_warps;
 };
 
 // ---------------------------------------------------------------------------------------------

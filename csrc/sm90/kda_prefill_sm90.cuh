@@ -105,13 +105,16 @@ Status launch_prefill(const PrefillArgs& a, int num_sms, cudaStream_t stream) {
   const int64_t slots = a.num_slots > 0 ? a.num_slots : 1;
   if (slots > 0x7fffffff || a.H > 65535) return Status::invalid("flashkda: problem too large for one launch");
   dim3 grid(static_cast<unsigned>(slots), static_cast<unsigned>(a.H));
-  prep<<<grid, kPrepareThreads, PS::kBytes, stream>>>(a);
-  Status st = cuda_status(cudaGetLastError(), "chunk_prepare launch");
-  if (!st.ok() || a.N <= 0) return st;
+  Status st = Status::ok_status();
+  if (a.dev_only != 2) {
+    prep<<<grid, kPrepareThreads, PS::kBytes, stream>>>(a);
+    st = cuda_status(cudaGetLastError(), "chunk_prepare launch");
+  }
+  if (!st.ok() || a.N <= 0 || a.dev_only == 1) return st;
   if (a.seg_chunks > 0) {  // the segment walks write the checkpoints' chunk-boundary states
     st = launch_context_parallel<D>(a, num_sms, stream);
   } else {
-    switch (state_block_warps(a.N, a.H, D, num_sms)) {
+    switch (a.walk_warps ? a.walk_warps : state_block_warps(a.N, a.H, D, num_sms)) {
       case 4:
         st = launch_recurrence<D, 4>(a, num_sms, stream);
         break;

@@ -331,6 +331,39 @@ def test_programmatic_walk_launch_matches_plain(gen, monkeypatch, case):
     assert torch.equal(o1, o0) and torch.equal(f1, f0), f"seed {seed_of(gen)}: programmatic and plain launches differ"
 
 
+def test_probe_switches_split_and_walk_warps(gen, monkeypatch):
+    """bench/probe_sm_partition.py's developer switches.  FLASHKDA_PREFILL_ONLY=prepare writes records
+    and nothing else (out and the final state stay poisoned); =recurrence then walks those records and
+    gives the normal call's bits.  FLASHKDA_PREFILL_WALK_WARPS=4 forces the 4-warp walk onto a grid of
+    more blocks than SMs (N H 2 > 132 here, where the 8-warp walk is the automatic choice): within the
+    spec's bounds of the float64 reference."""
+    lens, H = [130, 64, 200, 1], 48
+    inp = make_inputs(lens, H=H, D=128, device=DEV, generator=gen)
+    ws = flashkda.new_workspace(inp["q"], inp["cu_seqlens"])
+    monkeypatch.delenv("FLASHKDA_PREFILL_ONLY", raising=False)
+    monkeypatch.delenv("FLASHKDA_PREFILL_WALK_WARPS", raising=False)
+    o_ref, f_ref = poisoned_outputs(inp)
+    run(inp, o_ref, f_ref, workspace=ws)
+    torch.cuda.synchronize()
+    assert flashkda.read_device_error(ws) == 0
+    ws.zero_()  # the split call below must make its own records
+    out, fs = poisoned_outputs(inp)
+    monkeypatch.setenv("FLASHKDA_PREFILL_ONLY", "prepare")
+    run(inp, out, fs, workspace=ws)
+    torch.cuda.synchronize()
+    assert torch.isnan(out.float()).all() and torch.isnan(fs.float()).all(), "prepare alone wrote an output"
+    monkeypatch.setenv("FLASHKDA_PREFILL_ONLY", "recurrence")
+    run(inp, out, fs, workspace=ws)
+    torch.cuda.synchronize()
+    assert flashkda.read_device_error(ws) == 0
+    assert torch.equal(out, o_ref) and torch.equal(fs, f_ref), f"seed {seed_of(gen)}: split call differs"
+    monkeypatch.delenv("FLASHKDA_PREFILL_ONLY")
+    monkeypatch.setenv("FLASHKDA_PREFILL_WALK_WARPS", "4")
+    out4, fs4 = poisoned_outputs(inp)
+    run(inp, out4, fs4, workspace=ws)
+    judge(gen, inp, out4, fs4, SPEC_OUT, SPEC_STATE)
+
+
 @pytest.mark.parametrize("H", [4, 48], ids=["4-warp walk", "8-warp walk (programmatic launch)"])
 def test_cuda_graph_replay(gen, H):
     """A captured call replays like an eager one when its inputs change in place.  At H = 48 the walk
