@@ -53,7 +53,7 @@ def sms_in_use(stream):
         @triton.jit
         def smid_kernel(out_ptr):
             pid = tl.program_id(0)
-            sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [pid], dtype=tl.int32, is_pure=False,
+            sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [pid], dtype=tl.int32, is_pure=False,
                                            pack=1)
             tl.store(out_ptr + pid, sm)
 
