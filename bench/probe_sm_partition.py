@@ -255,9 +255,10 @@ def main():
                       f"{m['prepare_together']:.1f}, walk {m['walk_alone']:.1f} -> {m['walk_together']:.1f}; "
                       f"estimate {est:.1f} {rel}")
     if args.json:
+        sys.path.insert(0, HERE)
+        from bench_prefill import run_meta
         with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(0), "sms": total, "sweep": sweep, "concurrent": conc,
-                       "commit": os.environ.get("FLASHKDA_COMMIT")}, f, indent=1)
+            json.dump({"meta": run_meta(), "sweep": sweep, "concurrent": conc}, f, indent=1)
     return 0
 
 
