@@ -22,6 +22,7 @@ launches stay ahead), median of --reps.
 Usage: python3 bench/probe_sm_partition.py [--json out.json] [--cases 0,3]
 """
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -30,7 +31,6 @@ import sys
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 SWEEP_SMS = (132, 120, 104, 96, 88, 72, 64, 48, 32, 16)  # 132: the primary context (every SM)
 SPLITS = ((112, 16), (104, 24), (96, 32), (88, 40), (80, 48), (64, 64))
 
@@ -86,8 +86,7 @@ def per_call_us(fn, stream, iters, reps):
 
 
 def make_case(case):
-    sys.path.insert(0, HERE)
-    from bench_prefill import CASES, Ours, make_inputs
+    from bench_prefill import CASES, Ours, make_inputs  # lazily: after the worker's green contexts exist
     name, lens, H = CASES[case]
     x = make_inputs(lens, H)
     return name, x, H, Ours
@@ -122,83 +121,74 @@ def worker_sweep(args):
     print("RESULT " + json.dumps(res))
 
 
+@contextlib.contextmanager
+def current(ctx):
+    """ctx as the current CUDA context inside the block (the green context's stream and events need it)."""
+    ctx.set_context()
+    try:
+        yield
+    finally:
+        ctx.pop_context()
+
+
 def worker_concurrent(args):
     from torch.cuda.green_contexts import GreenContext
     p_sms, w_sms = args.sms, args.sms_walk
     ctx_p = GreenContext.create(p_sms, 0)
     ctx_w = GreenContext.create(w_sms, 0)
     res = {"mode": "concurrent", "sms": p_sms, "sms_walk": w_sms, "cases": {}}
-    ctx_p.set_context()
-    s_p = ctx_p.Stream()
-    res["sms_seen"] = sms_in_use(s_p)
-    ctx_p.pop_context()
-    ctx_w.set_context()
-    s_w = ctx_w.Stream()
-    res["sms_walk_seen"] = sms_in_use(s_w)
-    ctx_w.pop_context()
+    with current(ctx_p):
+        s_p = ctx_p.Stream()
+        res["sms_seen"] = sms_in_use(s_p)
+    with current(ctx_w):
+        s_w = ctx_w.Stream()
+        res["sms_walk_seen"] = sms_in_use(s_w)
+    # (tag, context, stream): prepare-only calls in P's context, walk-only ones in W's
+    sides = (("p", ctx_p, s_p), ("w", ctx_w, s_w))
     for case in args.case_list:
         name, x, H, Ours = make_case(case)
-        fn_p, fn_w = Ours(x, H), Ours(x, H)  # separate workspaces and outputs
+        fn = {"p": Ours(x, H), "w": Ours(x, H)}  # separate workspaces and outputs
+        # the walk's records: chunk_prepare in P's context on the walk's workspace
+        with current(ctx_p), torch.cuda.stream(s_p):
+            set_env("prepare")
+            fn["w"]()
+        s_p.synchronize()
+        with current(ctx_p):
+            set_env("prepare")
+            t_p = per_call_us(fn["p"], s_p, args.iters, args.reps)
         row = {}
         for warps in ("8", "4"):
-            # the walk's records: chunk_prepare in P's context on the walk's workspace
-            ctx_p.set_context()
-            with torch.cuda.stream(s_p):
-                set_env("prepare")
-                fn_w()
-                fn_p()
-            s_p.synchronize()
-            ctx_p.pop_context()
-            # each alone in its context, then both at once
-            ctx_p.set_context()
-            set_env("prepare")
-            t_p = per_call_us(fn_p, s_p, args.iters, args.reps)
-            ctx_p.pop_context()
-            ctx_w.set_context()
-            set_env("recurrence", warps)
-            t_w = per_call_us(fn_w, s_w, args.iters, args.reps)
-            ctx_w.pop_context()
+            env = {"p": ("prepare",), "w": ("recurrence", warps)}
+            with current(ctx_w):
+                set_env(*env["w"])
+                t_w = per_call_us(fn["w"], s_w, args.iters, args.reps)
             # both streams busy for about the same time: calls in proportion to the solo times
-            n_p = args.iters
-            n_w = max(1, round(args.iters * t_p / t_w))
-            both_p, both_w = [], []
+            calls = {"p": args.iters, "w": max(1, round(args.iters * t_p / t_w))}
+            together = {"p": [], "w": []}
             for _ in range(args.reps):
                 ev = {}
-                for tag, ctx, s in (("p", ctx_p, s_p), ("w", ctx_w, s_w)):
-                    ctx.set_context()
-                    s.synchronize()
-                    ev[tag] = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                    ctx.pop_context()
-                for tag, ctx, s in (("p", ctx_p, s_p), ("w", ctx_w, s_w)):
-                    ctx.set_context()
-                    ev[tag][0].record(s)
-                    ctx.pop_context()
-                for i in range(max(n_p, n_w)):
-                    if i < n_p:
-                        ctx_p.set_context()
-                        set_env("prepare")
-                        with torch.cuda.stream(s_p):
-                            fn_p()
-                        ctx_p.pop_context()
-                    if i < n_w:
-                        ctx_w.set_context()
-                        set_env("recurrence", warps)
-                        with torch.cuda.stream(s_w):
-                            fn_w()
-                        ctx_w.pop_context()
-                for tag, ctx, s in (("p", ctx_p, s_p), ("w", ctx_w, s_w)):
-                    ctx.set_context()
-                    ev[tag][1].record(s)
-                    ctx.pop_context()
-                for tag, ctx, s in (("p", ctx_p, s_p), ("w", ctx_w, s_w)):
-                    ctx.set_context()
-                    ev[tag][1].synchronize()
-                    ms = ev[tag][0].elapsed_time(ev[tag][1])
-                    ctx.pop_context()
-                    (both_p if tag == "p" else both_w).append(ms * 1e3 / (n_p if tag == "p" else n_w))
+                for tag, ctx, s in sides:
+                    with current(ctx):
+                        s.synchronize()
+                        ev[tag] = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                        ev[tag][0].record(s)
+                for i in range(max(calls.values())):
+                    for tag, ctx, s in sides:
+                        if i < calls[tag]:
+                            with current(ctx), torch.cuda.stream(s):
+                                set_env(*env[tag])
+                                fn[tag]()
+                for tag, ctx, s in sides:
+                    with current(ctx):
+                        ev[tag][1].record(s)
+                for tag, ctx, s in sides:
+                    with current(ctx):
+                        ev[tag][1].synchronize()
+                        together[tag].append(ev[tag][0].elapsed_time(ev[tag][1]) * 1e3 / calls[tag])
             set_env()
-            row[f"walk{warps}"] = {"prepare_alone": t_p, "walk_alone": t_w, "prepare_together": statistics.median(both_p),
-                                   "walk_together": statistics.median(both_w), "calls": [n_p, n_w]}
+            row[f"walk{warps}"] = {"prepare_alone": t_p, "walk_alone": t_w,
+                                   "prepare_together": statistics.median(together["p"]),
+                                   "walk_together": statistics.median(together["w"]), "calls": [calls["p"], calls["w"]]}
         res["cases"][name] = row
     print("RESULT " + json.dumps(res))
 
@@ -255,7 +245,6 @@ def main():
                       f"{m['prepare_together']:.1f}, walk {m['walk_alone']:.1f} -> {m['walk_together']:.1f}; "
                       f"estimate {est:.1f} {rel}")
     if args.json:
-        sys.path.insert(0, HERE)
         from bench_prefill import run_meta
         with open(args.json, "w") as f:
             json.dump({"meta": run_meta(), "sweep": sweep, "concurrent": conc}, f, indent=1)
