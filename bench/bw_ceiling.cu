@@ -21,8 +21,15 @@
 //   spec-tma    spec-rand's pattern by TMA: each slice bulk-loaded once and bulk-stored to its 4 write
 //               rows from the same stage (the SM never touches the data)
 //   memset      cudaMemsetAsync of the copy's bytes: the write-only rate, for spec's 1 : 4 mix
+//   *-cs        the same pattern with streaming cache hints (st.global.cs stores, ld.global.cs loads:
+//               evict-first in L1 and L2), whether the pattern's ceiling is a cache-policy effect
+//   spec-seq    spec-rand's kernel on consecutive rows (read rows 0..N-1, write rows N + 4 n + t):
+//               what the random rows cost the write-heavy mix
+//   spec-wonly  spec-rand's 4 writes an item without its read: the write side of the mix alone
+// The pool has F N rows (F = 8 by default, bench/bench_decode.py's pool; the second argument): a larger
+// pool spreads the same bytes over more pages (the TLB's reach), a smaller one over fewer.
 // Usage (sm_90 machine): nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a bench/bw_ceiling.cu
-//   -o /tmp/bw_ceiling && /tmp/bw_ceiling [N=256]
+//   -o /tmp/bw_ceiling && /tmp/bw_ceiling [N=256] [F=8]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -47,21 +54,30 @@ __global__ void copy_kernel(const float4* __restrict__ src, float4* __restrict__
 constexpr int kPer = kSliceFloats / 4 / kThreads;  // 8 float4 per thread and slice
 
 // The thread's part of a slice into registers, and back scaled by 0.999 (in place in `x`: a stand-in
-// for the state update, so that stored values change between writes).
+// for the state update, so that stored values change between writes).  kCs: streaming (evict-first)
+// loads and stores, ld.global.cs / st.global.cs.
+template <bool kCs>
 __device__ __forceinline__ void load_slice(const float4* p, float4 (&x)[kPer]) {
 #pragma unroll
-  for (int j = 0; j < kPer; ++j) x[j] = p[threadIdx.x + j * kThreads];
+  for (int j = 0; j < kPer; ++j)
+    x[j] = kCs ? __ldcs(p + threadIdx.x + j * kThreads) : p[threadIdx.x + j * kThreads];
 }
+template <bool kCs>
 __device__ __forceinline__ void store_scaled(float4* p, float4 (&x)[kPer]) {
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
     float4& v = x[j];
     v.x *= 0.999f, v.y *= 0.999f, v.z *= 0.999f, v.w *= 0.999f;
-    p[threadIdx.x + j * kThreads] = v;
+    if constexpr (kCs) {
+      __stcs(p + threadIdx.x + j * kThreads, v);
+    } else {
+      p[threadIdx.x + j * kThreads] = v;
+    }
   }
 }
 
 // Item i = (request n, head h, slice s); its slice starts at pool row rows[n], head h, slice s.
+template <bool kCs>
 __global__ void __launch_bounds__(kThreads) rmw_kernel(float* pool, const int* rows, int items) {
   auto base = [&](int item) {
     const int n = item / (kH * (kD / kSliceRows));
@@ -73,16 +89,16 @@ __global__ void __launch_bounds__(kThreads) rmw_kernel(float* pool, const int* r
   if (item >= items) return;
   float4 cur[kPer];
   float4* p = base(item);
-  load_slice(p, cur);
+  load_slice<kCs>(p, cur);
   while (true) {
     const int next = item + gridDim.x;
     float4 nxt[kPer];
     float4* q = nullptr;
     if (next < items) {
       q = base(next);
-      load_slice(q, nxt);
+      load_slice<kCs>(q, nxt);
     }
-    store_scaled(p, cur);
+    store_scaled<kCs>(p, cur);
     if (next >= items) break;
 #pragma unroll
     for (int j = 0; j < kPer; ++j) cur[j] = nxt[j];
@@ -92,6 +108,8 @@ __global__ void __launch_bounds__(kThreads) rmw_kernel(float* pool, const int* r
 }
 
 // Speculative decode 1 + 3: item i's slice read at rows[n], written to wrows[4 n + t], t = 0..3.
+// kLoad = false: no loads at all (the slice's registers hold a constant): the pattern's write side alone.
+template <bool kCs, bool kLoad = true>
 __global__ void __launch_bounds__(kThreads)
     spec_kernel(float* pool, const int* rows, const int* wrows, int items) {
   constexpr int kPerRequest = kH * (kD / kSliceRows);
@@ -103,14 +121,24 @@ __global__ void __launch_bounds__(kThreads)
                                      static_cast<size_t>(it % kPerRequest) * kSliceFloats);
   };
   float4 cur[kPer];
-  load_slice(at(rows[item / kPerRequest], item), cur);
+  if constexpr (kLoad) {
+    load_slice<kCs>(at(rows[item / kPerRequest], item), cur);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) cur[j] = make_float4(1.f, 2.f, 3.f, 4.f);
+  }
   while (true) {
     const int next = item + gridDim.x;
     float4 nxt[kPer];
-    if (next < items) load_slice(at(rows[next / kPerRequest], next), nxt);
+    if constexpr (kLoad) {
+      if (next < items) load_slice<kCs>(at(rows[next / kPerRequest], next), nxt);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) nxt[j] = cur[j];
+    }
     const int n = item / kPerRequest;
 #pragma unroll
-    for (int t = 0; t < 4; ++t) store_scaled(at(wrows[4 * n + t], item), cur);
+    for (int t = 0; t < 4; ++t) store_scaled<kCs>(at(wrows[4 * n + t], item), cur);
     if (next >= items) break;
 #pragma unroll
     for (int j = 0; j < kPer; ++j) cur[j] = nxt[j];
@@ -223,7 +251,12 @@ static float time_us(F&& launch, int iters) {
 
 int main(int argc, char** argv) {
   const int N = argc > 1 ? std::atoi(argv[1]) : 256;
-  const int P = 8 * N;
+  const int F = argc > 2 ? std::atoi(argv[2]) : 8;
+  if (N < 1 || F < 5) {
+    std::fprintf(stderr, "usage: bw_ceiling [N >= 1] [F >= 5: pool rows per request]\n");
+    return 2;
+  }
+  const int P = F * N;
   const size_t row_floats = static_cast<size_t>(kH) * kD * kD;
   const size_t pool_bytes = static_cast<size_t>(P) * row_floats * 4;
   int dev = 0, sms = 0;
@@ -248,8 +281,9 @@ int main(int argc, char** argv) {
 
   const size_t bytes_rw = static_cast<size_t>(N) * row_floats * 4 * 2;  // read + write
   const int items = N * kH * (kD / kSliceRows);
-  std::printf("%s, %d SMs, N = %d: %zu MB read + written per call, %d slices of 16 KB\n", prop.name, sms, N,
-              bytes_rw >> 20, items);
+  std::printf(
+      "%s, %d SMs, N = %d, pool %d rows (%zu MB): %zu MB read + written per call, %d slices of 16 KB\n",
+      prop.name, sms, N, P, pool_bytes >> 20, bytes_rw >> 20, items);
   const size_t half = static_cast<size_t>(N) * row_floats * 4;
   float* src = pool;
   float* dst = pool + static_cast<size_t>(N) * row_floats;  // rows N..2N-1 (P = 8N)
@@ -265,24 +299,55 @@ int main(int argc, char** argv) {
   std::printf("copy kernel     %8.1f us  %5.2f TB/s\n", t_copy, bytes_rw / t_copy * 1e-6);
   for (int per_sm : {2, 4, 8, 16}) {
     const int grid = std::min(items, sms * per_sm);
-    for (int r = 0; r < 2; ++r) {
-      const int* rows = r == 0 ? rows_rand : rows_seq;
-      const float t = time_us([&] { rmw_kernel<<<grid, kThreads>>>(pool, rows, items); }, 20);
-      std::printf("rmw-%s %2d/SM  %8.1f us  %5.2f TB/s  %5.1f%% of memcpy\n", r == 0 ? "rand" : "seq ",
+    for (int r = 0; r < 3; ++r) {
+      const int* rows = r == 1 ? rows_seq : rows_rand;
+      const float t = time_us(
+          [&] {
+            if (r == 2) {
+              rmw_kernel<true><<<grid, kThreads>>>(pool, rows, items);
+            } else {
+              rmw_kernel<false><<<grid, kThreads>>>(pool, rows, items);
+            }
+          },
+          20);
+      std::printf("rmw-%s %2d/SM  %8.1f us  %5.2f TB/s  %5.1f%% of memcpy\n",
+                  r == 0   ? "rand   "
+                  : r == 1 ? "seq    "
+                           : "rand-cs",
                   per_sm, t, bytes_rw / t * 1e-6, 100.f * t_memcpy / t);
     }
   }
   {  // speculative decode 1 + 3: read at perm[n], write at perm[N + 4 n + t] (P = 8 N >= 5 N rows)
-    int* wrows = nullptr;
+    int *wrows = nullptr, *wrows_seq = nullptr;
     CHECK(cudaMalloc(&wrows, 4 * N * sizeof(int)));
     CHECK(cudaMemcpy(wrows, perm.data() + N, 4 * N * sizeof(int), cudaMemcpyHostToDevice));
+    std::vector<int> wseq(4 * N);
+    std::iota(wseq.begin(), wseq.end(), N);  // rows N .. 5N - 1, consecutive
+    CHECK(cudaMalloc(&wrows_seq, 4 * N * sizeof(int)));
+    CHECK(cudaMemcpy(wrows_seq, wseq.data(), 4 * N * sizeof(int), cudaMemcpyHostToDevice));
     const size_t bytes_spec = static_cast<size_t>(N) * row_floats * 4 * 5;
     for (int per_sm : {2, 4, 8, 16}) {
       const int grid = std::min(items, sms * per_sm);
-      const float t = time_us([&] { spec_kernel<<<grid, kThreads>>>(pool, rows_rand, wrows, items); }, 20);
-      std::printf("spec-rand %2d/SM %8.1f us  %5.2f TB/s  %5.1f%% of memcpy\n", per_sm, t,
-                  bytes_spec / t * 1e-6, 100.f * (bytes_spec / t) / (bytes_rw / t_memcpy));
+      for (int r = 0; r < 4; ++r) {
+        const float t = time_us(
+            [&] {
+              if (r == 0) spec_kernel<false><<<grid, kThreads>>>(pool, rows_rand, wrows, items);
+              if (r == 1) spec_kernel<false><<<grid, kThreads>>>(pool, rows_seq, wrows_seq, items);
+              if (r == 2) spec_kernel<true><<<grid, kThreads>>>(pool, rows_rand, wrows, items);
+              if (r == 3) spec_kernel<false, false><<<grid, kThreads>>>(pool, rows_rand, wrows, items);
+            },
+            20);
+        // write-only moves 4 of spec's 5 slices an item
+        const double b = r == 3 ? bytes_spec * 0.8 : bytes_spec;
+        std::printf("spec-%s %2d/SM %8.1f us  %5.2f TB/s  %5.1f%% of memcpy\n",
+                    r == 0   ? "rand   "
+                    : r == 1 ? "seq    "
+                    : r == 2 ? "rand-cs"
+                             : "wonly  ",
+                    per_sm, t, b / t * 1e-6, 100.f * (b / t) / (bytes_rw / t_memcpy));
+      }
     }
+    CHECK(cudaFree(wrows_seq));
     CHECK(cudaFuncSetAttribute(rmw_tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                static_cast<int>(sizeof(TmaSmem))));
     for (int per_sm : {1, 2, 3}) {
