@@ -261,19 +261,31 @@ __device__ inline void load_state_row(const void* row, int j, float (&s)[16]) {
   }
 }
 
-template <int D, bool kF32>
+// kStream: streaming stores (st.global.cs, evict-first): the many-request kernels write states that the
+// call does not read again, so their lines need not displace the states still to be read.
+template <int D, bool kF32, bool kStream = false>
 __device__ inline void store_state_row(void* row, int j, const float (&s)[16]) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int col = token_col<D>(j, i);
     if constexpr (kF32) {
-      *reinterpret_cast<float4*>(static_cast<float*>(row) + col) =
-          make_float4(s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]);
+      float4* p = reinterpret_cast<float4*>(static_cast<float*>(row) + col);
+      const float4 v = make_float4(s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]);
+      if constexpr (kStream) {
+        __stcs(p, v);
+      } else {
+        *p = v;
+      }
     } else {
       uint2 u;
       u.x = pack_bf16(s[4 * i], s[4 * i + 1]);
       u.y = pack_bf16(s[4 * i + 2], s[4 * i + 3]);
-      *reinterpret_cast<uint2*>(static_cast<bf16*>(row) + col) = u;
+      uint2* p = reinterpret_cast<uint2*>(static_cast<bf16*>(row) + col);
+      if constexpr (kStream) {
+        __stcs(p, u);
+      } else {
+        *p = u;
+      }
     }
   }
 }
