@@ -446,7 +446,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
         for (int q = 0; q < kR; ++q) {
           if (j == 0) orow[vrow[q]] = __float2bfloat16_rn(o[q]);
           if (w >= 0)
-            store_state_row<D, kF32, true>(pool + (w * head_rows + out_col + vrow[q]) * D, j, sreg[q]);
+            store_state_row<D, kF32, kStreamStateStores<kF32>>(pool + (w * head_rows + out_col + vrow[q]) * D,
+                                                               j, sreg[q]);
         }
       }
       // Tokens past the stage (requests longer than kStageTokens): one at a time, straight from
@@ -472,13 +473,15 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
         for (int q = 0; q < kR; ++q) {
           if (j == 0) orow[vrow[q]] = __float2bfloat16_rn(o[q]);
           if (w >= 0)
-            store_state_row<D, kF32, true>(pool + (w * head_rows + out_col + vrow[q]) * D, j, sreg[q]);
+            store_state_row<D, kF32, kStreamStateStores<kF32>>(pool + (w * head_rows + out_col + vrow[q]) * D,
+                                                               j, sreg[q]);
         }
       }
       if (!a.spec) {
 #pragma unroll
         for (int q = 0; q < kR; ++q)
-          store_state_row<D, kF32, true>(pool + (read * head_rows + out_col + vrow[q]) * D, j, sreg[q]);
+          store_state_row<D, kF32, kStreamStateStores<kF32>>(
+              pool + (read * head_rows + out_col + vrow[q]) * D, j, sreg[q]);
       }
     }
   }

@@ -193,8 +193,8 @@ __global__ void __launch_bounds__(kLatencyThreads, kStreamBlocksPerSm)
       for (int q = 0; q < kStreamRows; ++q) {
         const int row = L::row(slice, q, warp, lane);
         if (j == 0) out[row] = __float2bfloat16_rn(o[q]);
-        store_state_row<D, kF32, true>(pool + ((static_cast<int64_t>(read) * head_rows) + h * D + row) * D, j,
-                                       s[q]);
+        store_state_row<D, kF32, kStreamStateStores<kF32>>(
+            pool + ((static_cast<int64_t>(read) * head_rows) + h * D + row) * D, j, s[q]);
       }
     }
     __syncwarp();  // the buffer is rewritten by the next item's preprocessing
@@ -504,8 +504,8 @@ __global__ void __launch_bounds__(kLatencyThreads, kSpecStreamBlocksPerSm)
           const int row = L::row(it.slice, q, warp, lane);
           if (j == 0) out[t * head_rows + row] = __float2bfloat16_rn(o[q]);
           if (w >= 0)
-            store_state_row<D, kF32, true>(pool + (static_cast<int64_t>(w) * head_rows + it.h * D + row) * D,
-                                           j, s[q]);
+            store_state_row<D, kF32, kStreamStateStores<kF32>>(
+                pool + (static_cast<int64_t>(w) * head_rows + it.h * D + row) * D, j, s[q]);
         }
       }
     }

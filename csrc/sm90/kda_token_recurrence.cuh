@@ -262,7 +262,11 @@ __device__ inline void load_state_row(const void* row, int j, float (&s)[16]) {
 }
 
 // kStream: streaming stores (st.global.cs, evict-first): the many-request kernels write states that the
-// call does not read again, so their lines need not displace the states still to be read.
+// call does not read again, so their lines need not displace the states still to be read.  They take it
+// for fp32 pools only (kStreamStateStores): on an H100, spec 1+3 fp32 -0.8% at N = 64 and 256, plain
+// fp32 at parity; bf16 pools split (N = 64 -1%, N = 256 +1%, every round; perf-notes v37).
+template <bool kF32>
+constexpr bool kStreamStateStores = kF32;
 template <int D, bool kF32, bool kStream = false>
 __device__ inline void store_state_row(void* row, int j, const float (&s)[16]) {
 #pragma unroll
