@@ -286,7 +286,7 @@ int main(int argc, char** argv) {
       prop.name, sms, N, P, pool_bytes >> 20, bytes_rw >> 20, items);
   const size_t half = static_cast<size_t>(N) * row_floats * 4;
   float* src = pool;
-  float* dst = pool + static_cast<size_t>(N) * row_floats;  // rows N..2N-1 (P = 8N)
+  float* dst = pool + static_cast<size_t>(N) * row_floats;  // rows N..2N-1 (P = F N >= 5 N)
   const float t_memcpy =
       time_us([&] { CHECK(cudaMemcpyAsync(dst, src, half, cudaMemcpyDeviceToDevice)); }, 20);
   std::printf("memcpy          %8.1f us  %5.2f TB/s\n", t_memcpy, bytes_rw / t_memcpy * 1e-6);
@@ -310,14 +310,12 @@ int main(int argc, char** argv) {
             }
           },
           20);
-      std::printf("rmw-%s %2d/SM  %8.1f us  %5.2f TB/s  %5.1f%% of memcpy\n",
-                  r == 0   ? "rand   "
-                  : r == 1 ? "seq    "
-                           : "rand-cs",
-                  per_sm, t, bytes_rw / t * 1e-6, 100.f * t_memcpy / t);
+      static const char* const kRmwNames[] = {"rand   ", "seq    ", "rand-cs"};
+      std::printf("rmw-%s %2d/SM  %8.1f us  %5.2f TB/s  %5.1f%% of memcpy\n", kRmwNames[r], per_sm, t,
+                  bytes_rw / t * 1e-6, 100.f * t_memcpy / t);
     }
   }
-  {  // speculative decode 1 + 3: read at perm[n], write at perm[N + 4 n + t] (P = 8 N >= 5 N rows)
+  {  // speculative decode 1 + 3: read at perm[n], write at perm[N + 4 n + t] (P = F N >= 5 N rows)
     int *wrows = nullptr, *wrows_seq = nullptr;
     CHECK(cudaMalloc(&wrows, 4 * N * sizeof(int)));
     CHECK(cudaMemcpy(wrows, perm.data() + N, 4 * N * sizeof(int), cudaMemcpyHostToDevice));
@@ -339,12 +337,9 @@ int main(int argc, char** argv) {
             20);
         // write-only moves 4 of spec's 5 slices an item
         const double b = r == 3 ? bytes_spec * 0.8 : bytes_spec;
-        std::printf("spec-%s %2d/SM %8.1f us  %5.2f TB/s  %5.1f%% of memcpy\n",
-                    r == 0   ? "rand   "
-                    : r == 1 ? "seq    "
-                    : r == 2 ? "rand-cs"
-                             : "wonly  ",
-                    per_sm, t, b / t * 1e-6, 100.f * (b / t) / (bytes_rw / t_memcpy));
+        static const char* const kSpecNames[] = {"rand   ", "seq    ", "rand-cs", "wonly  "};
+        std::printf("spec-%s %2d/SM %8.1f us  %5.2f TB/s  %5.1f%% of memcpy\n", kSpecNames[r], per_sm, t,
+                    b / t * 1e-6, 100.f * (b / t) / (bytes_rw / t_memcpy));
       }
     }
     CHECK(cudaFree(wrows_seq));

@@ -27,8 +27,8 @@
 //     chain of L2 round trips kept off the other warps' paths.
 //   warps 0-3, consumers: wait `ready`, copy the state slice into registers, run the staged tokens
 //     from the stage's buffers, release the stage (`empty`), write out and the state (directly from
-//     registers: stores need no staging).  Tokens past the stage (long requests) are loaded and
-//     preprocessed by each consumer warp itself.
+//     registers: stores need no staging; streaming st.global.cs on fp32 pools, kStreamStateStores).
+//     Tokens past the stage (long requests) are loaded and preprocessed by each consumer warp itself.
 // Shared memory (D = 128, fp32 pool): 3 stages x (16 KB state + 4 staged tokens: 4.4 KB raw + 6 KB
 // preprocessed + dt_bias + item) + 32-item table + per-warp token buffers = 92 KB; 124-128 registers.
 //
