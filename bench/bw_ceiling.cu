@@ -26,10 +26,16 @@
 //   spec-seq    spec-rand's kernel on consecutive rows (read rows 0..N-1, write rows N + 4 n + t):
 //               what the random rows cost the write-heavy mix
 //   spec-wonly  spec-rand's 4 writes an item without its read: the write side of the mix alone
+//   spec-ronly  spec-rand's read an item without its writes: the read side alone; ronly + wonly (the two
+//               run one after the other) is the mix's time if its reads and writes never met in DRAM
+//   spec-phased the same bytes in grid-wide phases (one block an SM, cooperative launch): every block
+//               bulk-loads S slices into shared memory, grid barrier, bulk-stores each to its 4 rows,
+//               grid barrier, next round: a decode design that keeps DRAM reading or writing, not both
 // The pool has F N rows (F = 8 by default, bench/bench_decode.py's pool; the second argument): a larger
 // pool spreads the same bytes over more pages (the TLB's reach), a smaller one over fewer.
 // Usage (sm_90 machine): nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a bench/bw_ceiling.cu
 //   -o /tmp/bw_ceiling && /tmp/bw_ceiling [N=256] [F=8]
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -109,7 +115,9 @@ __global__ void __launch_bounds__(kThreads) rmw_kernel(float* pool, const int* r
 
 // Speculative decode 1 + 3: item i's slice read at rows[n], written to wrows[4 n + t], t = 0..3.
 // kLoad = false: no loads at all (the slice's registers hold a constant): the pattern's write side alone.
-template <bool kCs, bool kLoad = true>
+// kStore = false: no stores (the loaded values feed a sum that is stored only if it is NaN, which the
+// pool's finite contents never give, so the loads are not dead code): the read side alone.
+template <bool kCs, bool kLoad = true, bool kStore = true>
 __global__ void __launch_bounds__(kThreads)
     spec_kernel(float* pool, const int* rows, const int* wrows, int items) {
   constexpr int kPerRequest = kH * (kD / kSliceRows);
@@ -137,8 +145,15 @@ __global__ void __launch_bounds__(kThreads)
       for (int j = 0; j < kPer; ++j) nxt[j] = cur[j];
     }
     const int n = item / kPerRequest;
+    if constexpr (kStore) {
 #pragma unroll
-    for (int t = 0; t < 4; ++t) store_scaled<kCs>(at(wrows[4 * n + t], item), cur);
+      for (int t = 0; t < 4; ++t) store_scaled<kCs>(at(wrows[4 * n + t], item), cur);
+    } else {
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) sum += cur[j].x + cur[j].y + cur[j].z + cur[j].w;
+      if (sum != sum) pool[threadIdx.x] = sum;
+    }
     if (next >= items) break;
 #pragma unroll
     for (int j = 0; j < kPer; ++j) cur[j] = nxt[j];
@@ -239,6 +254,69 @@ __global__ void __launch_bounds__(160)
   }
 }
 
+// spec-phased: one block an SM, all blocks co-resident (cooperative launch).  Round r: block b
+// bulk-loads items [(r G + b) S, +S) into S shared slices (one mbarrier, S x 16 KB of transaction
+// bytes), grid barrier, bulk-stores each slice to its request's 4 write rows and waits for the stores
+// to complete, grid barrier.  So in each phase the DRAM sees only reads or only writes (up to the L2's
+// write-back of the stores).  S = slices (dynamic shared memory S x 16 KB).
+__global__ void __launch_bounds__(32, 1)
+    spec_phased_kernel(float* pool, const int* rows, const int* wrows, int items, int slices) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  float* buf = reinterpret_cast<float*>(smem_raw);
+  __shared__ unsigned long long full;
+  namespace cg = cooperative_groups;
+  cg::grid_group grid = cg::this_grid();
+  constexpr int kPerRequest = kH * (kD / kSliceRows);
+  const size_t row_floats = static_cast<size_t>(kH) * kD * kD;
+  auto at = [&](int row, int it) {
+    return pool + static_cast<size_t>(row) * row_floats +
+           static_cast<size_t>(it % kPerRequest) * kSliceFloats;
+  };
+  const int G = gridDim.x;
+  const int rounds = (items + G * slices - 1) / (G * slices);
+  const bool leader = threadIdx.x == 0;
+  if (leader) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_u32(&full)) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncwarp();
+  unsigned phase = 0;
+  for (int r = 0; r < rounds; ++r) {
+    const int first = (r * G + static_cast<int>(blockIdx.x)) * slices;
+    const int count = ::max(0, ::min(slices, items - first));
+    if (leader && count > 0) {
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(&full)),
+                   "r"(count * kSliceBytes)
+                   : "memory");
+      for (int s = 0; s < count; ++s) {
+        const int item = first + s;
+        asm volatile(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                smem_u32(buf + static_cast<size_t>(s) * kSliceFloats)),
+            "l"(at(rows[item / kPerRequest], item)), "r"(kSliceBytes), "r"(smem_u32(&full))
+            : "memory");
+      }
+      mbar_wait(&full, phase);
+      phase ^= 1;
+    }
+    grid.sync();
+    if (leader && count > 0) {
+      for (int s = 0; s < count; ++s) {
+        const int item = first + s;
+        for (int t = 0; t < 4; ++t) {
+          asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(
+                           at(wrows[4 * (item / kPerRequest) + t], item)),
+                       "r"(smem_u32(buf + static_cast<size_t>(s) * kSliceFloats)), "r"(kSliceBytes)
+                       : "memory");
+        }
+      }
+      asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+      asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+    }
+    grid.sync();
+  }
+}
+
 template <class F>
 static float time_us(F&& launch, int iters) {
   for (int i = 0; i < 3; ++i) launch();
@@ -326,21 +404,28 @@ int main(int argc, char** argv) {
     const size_t bytes_spec = static_cast<size_t>(N) * row_floats * 4 * 5;
     for (int per_sm : {2, 4, 8, 16}) {
       const int grid = std::min(items, sms * per_sm);
-      for (int r = 0; r < 4; ++r) {
+      float t_part[5] = {};
+      for (int r = 0; r < 5; ++r) {
         const float t = time_us(
             [&] {
               if (r == 0) spec_kernel<false><<<grid, kThreads>>>(pool, rows_rand, wrows, items);
               if (r == 1) spec_kernel<false><<<grid, kThreads>>>(pool, rows_seq, wrows_seq, items);
               if (r == 2) spec_kernel<true><<<grid, kThreads>>>(pool, rows_rand, wrows, items);
               if (r == 3) spec_kernel<false, false><<<grid, kThreads>>>(pool, rows_rand, wrows, items);
+              if (r == 4) spec_kernel<false, true, false><<<grid, kThreads>>>(pool, rows_rand, wrows, items);
             },
             20);
-        // write-only moves 4 of spec's 5 slices an item
-        const double b = r == 3 ? bytes_spec * 0.8 : bytes_spec;
-        static const char* const kSpecNames[] = {"rand   ", "seq    ", "rand-cs", "wonly  "};
+        t_part[r] = t;
+        // write-only moves 4 of spec's 5 slices an item, read-only 1
+        const double b = r == 3 ? bytes_spec * 0.8 : r == 4 ? bytes_spec * 0.2 : bytes_spec;
+        static const char* const kSpecNames[] = {"rand   ", "seq    ", "rand-cs", "wonly  ", "ronly  "};
         std::printf("spec-%s %2d/SM %8.1f us  %5.2f TB/s  %5.1f%% of memcpy\n", kSpecNames[r], per_sm, t,
                     b / t * 1e-6, 100.f * (b / t) / (bytes_rw / t_memcpy));
       }
+      const float t_sum = t_part[3] + t_part[4];
+      std::printf("spec-ronly+wonly %2d/SM %6.1f us  %5.2f TB/s  %5.1f%% of memcpy (the two run apart)\n",
+                  per_sm, t_sum, bytes_spec / t_sum * 1e-6,
+                  100.f * (bytes_spec / t_sum) / (bytes_rw / t_memcpy));
     }
     CHECK(cudaFree(wrows_seq));
     CHECK(cudaFuncSetAttribute(rmw_tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -351,6 +436,28 @@ int main(int argc, char** argv) {
           [&] { rmw_tma_kernel<<<grid, 160, sizeof(TmaSmem)>>>(pool, rows_rand, wrows, items, 0); }, 20);
       std::printf("spec-tma  %d/SM  %8.1f us  %5.2f TB/s  %5.1f%% of memcpy\n", per_sm, t,
                   bytes_spec / t * 1e-6, 100.f * (bytes_spec / t) / (bytes_rw / t_memcpy));
+    }
+    for (int slices : {4, 8, 12}) {
+      const int smem = slices * kSliceBytes;
+      CHECK(cudaFuncSetAttribute(spec_phased_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      int per_sm = 0;
+      CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, spec_phased_kernel, 32, smem));
+      if (per_sm < 1) {
+        std::printf("spec-phased S=%-2d does not fit an SM\n", slices);
+        continue;
+      }
+      const int grid = sms;  // one block an SM, all co-resident
+      int items_arg = items;
+      void* args[] = {&pool, &rows_rand, &wrows, &items_arg, &slices};
+      const float t = time_us(
+          [&] {
+            CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<void*>(spec_phased_kernel), dim3(grid),
+                                              dim3(32), args, smem, 0));
+          },
+          20);
+      std::printf("spec-phased S=%-2d %8.1f us  %5.2f TB/s  %5.1f%% of memcpy (%d rounds)\n", slices, t,
+                  bytes_spec / t * 1e-6, 100.f * (bytes_spec / t) / (bytes_rw / t_memcpy),
+                  (items + grid * slices - 1) / (grid * slices));
     }
     CHECK(cudaFree(wrows));
   }
