@@ -1,7 +1,9 @@
 // chunk_prepare: everything of a 64-token chunk that does not depend on the recurrent state.
 //
-// Grid: (chunk slots, H).  Block: 256 threads = 8 warps, no warp specialisation; phases are
-// separated by __syncthreads:
+// Grid: (H, Y, Z), head fastest, Y Z >= the chunk slots; each block's slot from kda_prepare_order.h, so that
+// the blocks dispatched last prepare every sequence's first chunks (their records still in L2 when the walk
+// starts reading).
+// Block: 256 threads = 8 warps, no warp specialisation; phases are separated by __syncthreads:
 //   1. stage the raw q, k, g rows of the chunk in shared memory by cp.async (one round trip;
 //      per-element copies when a row is not 16-byte aligned), beta alongside (rows past the sequence
 //      end are zero: inert tokens); l2-normalise q and k in registers (shuffles inside the 16 lanes
@@ -135,17 +137,18 @@ __device__ inline void validate_device_inputs(const PrefillArgs& a) {
 
 // No two sequences on one pool row (they would race on it: DeviceError kStateSlotConflict; the state
 // pass then writes nothing).  The N x N comparisons go in tiles of 256 x 256 sequences (ti <= tj,
-// kda_pair_tiles.h), dealt over the head-0 blocks from block 1 on (block 0 validates the rest): a tile is 512
-// index loads and 256 broadcast shared-memory compares a thread, so the check stays a few microseconds of a
-// few blocks for any N (one block scanning all pairs would take milliseconds at N = 8192, and N blocks
-// loading all N indices each is O(N^2) L2 traffic).  `keys`: 256 int64 of shared memory, free again when it
-// returns.  Block-uniform (barriers inside).
-__device__ inline void check_state_rows_distinct(const PrefillArgs& a, int64_t* keys) {
+// kda_pair_tiles.h), dealt over the head-0 blocks (`block` of `num_blocks`) from block 1 on (block 0
+// validates the rest): a tile is 512 index loads and 256 broadcast shared-memory compares a thread, so the
+// check stays a few microseconds of a few blocks for any N (one block scanning all pairs would take
+// milliseconds at N = 8192, and N blocks loading all N indices each is O(N^2) L2 traffic).  `keys`: 256 int64
+// of shared memory, free again when it returns.  Block-uniform (barriers inside).
+__device__ inline void check_state_rows_distinct(const PrefillArgs& a, uint32_t block, uint32_t num_blocks,
+                                                 int64_t* keys) {
   constexpr int kTile = kPrepareThreads;
   const int64_t nt = (static_cast<int64_t>(a.N) + kTile - 1) / kTile;
   const int64_t tiles = pair_tile_count(nt);
-  const int64_t blocks = gridDim.x > 1 ? gridDim.x - 1 : 1;
-  const int64_t first_tile = gridDim.x > 1 ? static_cast<int64_t>(blockIdx.x) - 1 : 0;
+  const int64_t blocks = num_blocks > 1 ? num_blocks - 1 : 1;
+  const int64_t first_tile = num_blocks > 1 ? static_cast<int64_t>(block) - 1 : 0;
   if (first_tile < 0) return;  // block 0 of a multi-block grid
   for (int64_t tl = first_tile; tl < tiles; tl += blocks) {
     int64_t ti, tj;
@@ -704,12 +707,21 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   // block here has started; it waits for this grid's completion (griddepcontrol.wait) before it reads
   // a record or the error word.  No effect on a plain launch.
   pdl_launch_dependents();
-  if (blockIdx.x == 0 && blockIdx.y == 0) validate_device_inputs(a);
-  if (a.state_indices && blockIdx.y == 0)
-    check_state_rows_distinct(a, reinterpret_cast<int64_t*>(smem + SM::kQ));
+  // Block (h, y, z) is the r-th block of head h (kda_prepare_order.h); Y Z may exceed the slots by up to
+  // Y - 1 blocks, which have nothing to do.
+  const int h = blockIdx.x;
+  const uint32_t r = blockIdx.y + gridDim.y * blockIdx.z;
+  const uint32_t num_slots = static_cast<uint32_t>(a.num_slots);
+  if (r >= num_slots) return;
+  if (r == 0 && h == 0) validate_device_inputs(a);
+  if (a.state_indices && h == 0)
+    check_state_rows_distinct(a, r, num_slots, reinterpret_cast<int64_t*>(smem + SM::kQ));
 
+  // The block's slot: head h's blocks take their slots so that every sequence's first chunks are
+  // prepared last, their records still in L2 when the walk starts (kda_prepare_order.h).
+  const uint32_t slot = prepare_cell_slot(num_slots - 1 - r, a.prep_order);
   PrepareChunk ch;
-  if (!slot_to_chunk_block(a, blockIdx.x, &ch)) return;
+  if (!slot_to_chunk_block(a, slot, &ch)) return;
   // A padded sequence (negative pool row) needs no record: the walk touches neither its state nor its
   // records.  Only the index's sign matters, so one 32-bit load (the value, or an int64's high word)
   // is issued here and tested after phase 1: tested here, with the int32 value widened right after its
@@ -721,14 +733,13 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
                     (a.idx_int64 ? 8 * static_cast<uint64_t>(ch.n) + 4 : 4 * static_cast<uint64_t>(ch.n));
     asm volatile("ld.global.b32 %0, [%1];" : "=r"(pool_sign_word) : "l"(p));
   }
-  const int h = blockIdx.y;
   // Unsigned 32-bit batch row and tokens (see PrepareChunk): their products with the 64-bit strides
   // below are one wide multiply-add and one multiply-add each, not a full 64 x 64 product.
   const int64_t batch = ch.batch, tok0 = ch.tok0;
   const int rows = ch.rows;
   const float scale = a.scale;
   const bool qk16 = a.l2norm != 0;  // fp16 q/k in smem when normalised, raw bf16 otherwise
-  char* rec = a.records + (static_cast<int64_t>(blockIdx.x) * a.H + h) * ChunkRecord<D>::kBytes;
+  char* rec = a.records + (static_cast<int64_t>(slot) * a.H + h) * ChunkRecord<D>::kBytes;
   const int c8 = (tid % TPR) * 8, rbase = tid / TPR;
   if (tid < 8) sMax[tid] = 0;  // ordered before the atomics by the first __syncthreads
   float kmax = 0.f, qn2max = 0.f, kn2max = 0.f;

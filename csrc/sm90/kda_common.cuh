@@ -13,7 +13,8 @@
 #include <utility>
 
 #include "flashkda/flashkda.h"
-#include "sm90/kda_sw128.h"  // kTri64Bytes: ChunkRecord's packed triangles
+#include "sm90/kda_prepare_order.h"  // PrepareOrder: chunk_prepare's slot order
+#include "sm90/kda_sw128.h"          // kTri64Bytes: ChunkRecord's packed triangles
 
 namespace flashkda {
 namespace sm90 {
@@ -63,6 +64,8 @@ struct PrefillArgs {
   char* records;                            // workspace: one ChunkRecord per (slot, head)
   int* error_word;
   int64_t num_slots;  // chunk slots per head
+  // chunk_prepare's slot order (kda_prepare_order.h), formed by launch_prefill from num_slots and N.
+  PrepareOrder prep_order;
   // Optional row map: logical token t lives at row token_rows[t] of the token tensors (dim 1 has
   // num_rows rows).  T above counts logical tokens.
   const void* token_rows;

@@ -104,10 +104,15 @@ Status launch_prefill(const PrefillArgs& a, int num_sms, cudaStream_t stream) {
   if (e != cudaSuccess) return cuda_status(e, "chunk_prepare smem attribute");
   const int64_t slots = a.num_slots > 0 ? a.num_slots : 1;
   if (slots > 0x7fffffff || a.H > 65535) return Status::invalid("flashkda: problem too large for one launch");
-  dim3 grid(static_cast<unsigned>(slots), static_cast<unsigned>(a.H));
+  // (H, Y, Z): head fastest, then the slot order of kda_prepare_order.h; Y Z >= slots (Y, Z <= 65535).
+  const unsigned gy = static_cast<unsigned>(slots < 65535 ? slots : 65535);
+  dim3 grid(static_cast<unsigned>(a.H), gy, static_cast<unsigned>((slots + gy - 1) / gy));
+  PrefillArgs pa = a;
+  pa.num_slots = slots;
+  pa.prep_order = prepare_order(a.cu_seqlens != nullptr, static_cast<uint32_t>(slots), a.N);
   Status st = Status::ok_status();
   if (a.dev_only != 2) {
-    prep<<<grid, kPrepareThreads, PS::kBytes, stream>>>(a);
+    prep<<<grid, kPrepareThreads, PS::kBytes, stream>>>(pa);
     st = cuda_status(cudaGetLastError(), "chunk_prepare launch");
   }
   if (!st.ok() || a.N <= 0 || a.dev_only == 1) return st;

@@ -4,7 +4,8 @@
 // pieces per 8-row group, no bank conflict for 8 rows of one piece column); the record tiles, which
 // are SW128 images, and the packed triangles (Tb, MQK: tri64) with the walk's descriptors of them; and
 // chunk_prepare's staging of them: no bank conflict for the mma fragment stores. Also the longest-first walk
-// order (csrc/sm90/kda_walk_order.h): every (sequence, head) once.
+// order (csrc/sm90/kda_walk_order.h): every (sequence, head) once; and chunk_prepare's dispatch order
+// (csrc/sm90/kda_prepare_order.h): every (slot, head) once, every sequence's first chunks last.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "sm90/kda_pair_tiles.h"
+#include "sm90/kda_prepare_order.h"
 #include "sm90/kda_sw128.h"
 #include "sm90/kda_walk_order.h"
 
@@ -329,4 +331,85 @@ TEST(SharedMemoryLayout, DescriptorOffsetsEqualFullAddressDescriptors) {
   // Why no offset carries out of the start address field (bits 0-13, address >> 4): every shared
   // address is below 2^18.
   EXPECT_LT((kSharedBytes - 1) >> 4, 1u << 14);
+}
+
+// div31 is n / d for every n < 2^31: every d up to 2^16 at the edges of its quotients, random pairs beyond.
+TEST(PrepareOrder, Div31IsExact) {
+  std::mt19937 rng(7);
+  for (uint32_t d = 1; d <= 65536; ++d) {
+    const flashkda::sm90::Div31 f = flashkda::sm90::make_div31(d);
+    for (uint32_t n : {0u, 1u, d - 1, d, d + 1, 2 * d - 1, 2 * d, 0x7fffffffu, 0x7fffffffu - d,
+                       (0x7fffffffu / d) * d, (0x7fffffffu / d) * d - 1}) {
+      if (n > 0x7fffffffu) continue;
+      ASSERT_EQ(flashkda::sm90::div31(n, f), n / d) << n << " / " << d;
+    }
+    for (int k = 0; k < 16; ++k) {
+      const uint32_t n = rng() & 0x7fffffffu;
+      ASSERT_EQ(flashkda::sm90::div31(n, f), n / d) << n << " / " << d;
+    }
+  }
+  for (int k = 0; k < 200000; ++k) {
+    const uint32_t d = 1 + (rng() & 0x7ffffffeu), n = rng() & 0x7fffffffu;
+    ASSERT_EQ(flashkda::sm90::div31(n, flashkda::sm90::make_div31(d)), n / d) << n << " / " << d;
+  }
+}
+
+// chunk_prepare's blocks take every slot exactly once (a head's blocks walk the cells), whatever the order.
+TEST(PrepareOrder, EverySlotOnce) {
+  for (uint32_t slots : {1u, 2u, 7u, 64u, 265u, 1000u, 4099u}) {
+    for (int64_t N : {0, 1, 2, 3, 8, 64, 5000}) {
+      for (bool varlen : {true, false}) {
+        const flashkda::sm90::PrepareOrder o = flashkda::sm90::prepare_order(varlen, slots, N);
+        ASSERT_GE(o.cols, 1u);
+        ASSERT_GE(o.full, 1u);
+        ASSERT_LE(o.full, o.cols);
+        ASSERT_EQ(static_cast<uint64_t>(o.rows - 1) * o.cols + o.full, slots);
+        std::set<uint32_t> taken;
+        for (uint32_t i = 0; i < slots; ++i) {
+          const uint32_t slot = flashkda::sm90::prepare_cell_slot(i, o);
+          ASSERT_LT(slot, slots) << "slots " << slots << " N " << N << " cell " << i;
+          taken.insert(slot);
+        }
+        EXPECT_EQ(taken.size(), slots) << "slots " << slots << " N " << N << " varlen " << varlen;
+      }
+    }
+  }
+}
+
+// With equal lengths (varlen: multiples of the chunk, so that sequence n's first slot, floor(cu[n] / C) + n,
+// is n (L / C + 1); fixed-length batches: any length, ceil(T / C) slots a row) the blocks dispatched last
+// (block r takes cell slots - 1 - r) take chunk 0 of every sequence, with the varlen grid's spare last slot;
+// the N blocks before them chunk 1.
+TEST(PrepareOrder, EqualLengthsEndWithTheFirstChunks) {
+  constexpr int64_t C = 64;
+  for (bool varlen : {true, false}) {
+    for (int64_t N : {1, 3, 8}) {
+      for (int64_t L : {64, 192, 2048, 100}) {
+        if (varlen && L % C != 0) continue;
+        const int64_t per = (L + C - 1) / C;
+        const uint32_t slots =
+            static_cast<uint32_t>(varlen ? N * L / C + N + 1 : N * per);  // num_chunk_slots
+        const flashkda::sm90::PrepareOrder o = flashkda::sm90::prepare_order(varlen, slots, N);
+        const int64_t stride = varlen ? L / C + 1 : per;
+        // the slots of the cells taken by the blocks dispatched k0 .. k1 - 1 places from the end
+        auto cells = [&](uint32_t k0, uint32_t k1) {
+          std::set<uint32_t> got;
+          for (uint32_t k = k0; k < k1; ++k) got.insert(flashkda::sm90::prepare_cell_slot(k, o));
+          return got;
+        };
+        const uint32_t group0 = static_cast<uint32_t>(N + (varlen ? 1 : 0));
+        std::set<uint32_t> chunk0, chunk1;
+        for (int64_t n = 0; n < N; ++n) {
+          chunk0.insert(static_cast<uint32_t>(n * stride));
+          chunk1.insert(static_cast<uint32_t>(n * stride + 1));
+        }
+        if (varlen) chunk0.insert(slots - 1);
+        EXPECT_EQ(cells(0, group0), chunk0) << "varlen " << varlen << " N " << N << " L " << L;
+        if (per >= 2) {
+          EXPECT_EQ(cells(group0, group0 + static_cast<uint32_t>(N)), chunk1)
+              << "varlen " << varlen << " N " << N << " L " << L;
+        }
+      }
+    }
+  }
 }
