@@ -37,8 +37,8 @@ ABLATIONS = {
              [("xg[i] = lb2 * fast_rcp(1.f + fast_exp2(fmaf(xg[i], c1, gb[i])));",
                "xg[i] = fmaf(xg[i], c1, gb[i]);")]),
     "dram": ("DRAM traffic of the records: every block writes into one of 8 slots a head (L2-resident)",
-             [("char* rec = a.records + (static_cast<int64_t>(blockIdx.x) * a.H + h) * ChunkRecord<D>::kBytes;",
-               "char* rec = a.records + (static_cast<int64_t>(blockIdx.x & 7) * a.H + h) * ChunkRecord<D>::kBytes;")]),
+             [("char* rec = a.records + (static_cast<int64_t>(slot) * a.H + h) * ChunkRecord<D>::kBytes;",
+               "char* rec = a.records + (static_cast<int64_t>(slot & 7) * a.H + h) * ChunkRecord<D>::kBytes;")]),
 }
 
 
