@@ -57,7 +57,14 @@ __global__ void copy_kernel(const float4* __restrict__ src, float4* __restrict__
     dst[i] = src[i];
 }
 
-constexpr int kPer = kSliceFloats / 4 / kThreads;  // 8 float4 per thread and slice
+constexpr int kPer = kSliceFloats / 4 / kThreads;          // 8 float4 per thread and slice
+constexpr int kSlicesPerRequest = kH * (kD / kSliceRows);  // 64 slices of 16 KB in a pool row
+
+// Item i = (request n, head h, slice s), n = i / kSlicesPerRequest: its 16 KB slice in pool row `row`.
+__host__ __device__ inline float* slice_at(float* pool, int row, int item) {
+  return pool + static_cast<size_t>(row) * kH * kD * kD +
+         static_cast<size_t>(item % kSlicesPerRequest) * kSliceFloats;
+}
 
 // The thread's part of a slice into registers, and back scaled by 0.999 (in place in `x`: a stand-in
 // for the state update, so that stored values change between writes).  kCs: streaming (evict-first)
@@ -86,10 +93,7 @@ __device__ __forceinline__ void store_scaled(float4* p, float4 (&x)[kPer]) {
 template <bool kCs>
 __global__ void __launch_bounds__(kThreads) rmw_kernel(float* pool, const int* rows, int items) {
   auto base = [&](int item) {
-    const int n = item / (kH * (kD / kSliceRows));
-    const int rem = item % (kH * (kD / kSliceRows));
-    return reinterpret_cast<float4*>(
-        pool + (static_cast<size_t>(rows[n]) * kH * kD * kD + static_cast<size_t>(rem) * kSliceFloats));
+    return reinterpret_cast<float4*>(slice_at(pool, rows[item / kSlicesPerRequest], item));
   };
   int item = blockIdx.x;
   if (item >= items) return;
@@ -120,17 +124,12 @@ __global__ void __launch_bounds__(kThreads) rmw_kernel(float* pool, const int* r
 template <bool kCs, bool kLoad = true, bool kStore = true>
 __global__ void __launch_bounds__(kThreads)
     spec_kernel(float* pool, const int* rows, const int* wrows, int items) {
-  constexpr int kPerRequest = kH * (kD / kSliceRows);
-  const size_t row_floats = static_cast<size_t>(kH) * kD * kD;
   int item = blockIdx.x;
   if (item >= items) return;
-  auto at = [&](int row, int it) {
-    return reinterpret_cast<float4*>(pool + static_cast<size_t>(row) * row_floats +
-                                     static_cast<size_t>(it % kPerRequest) * kSliceFloats);
-  };
+  auto at = [&](int row, int it) { return reinterpret_cast<float4*>(slice_at(pool, row, it)); };
   float4 cur[kPer];
   if constexpr (kLoad) {
-    load_slice<kCs>(at(rows[item / kPerRequest], item), cur);
+    load_slice<kCs>(at(rows[item / kSlicesPerRequest], item), cur);
   } else {
 #pragma unroll
     for (int j = 0; j < kPer; ++j) cur[j] = make_float4(1.f, 2.f, 3.f, 4.f);
@@ -139,12 +138,12 @@ __global__ void __launch_bounds__(kThreads)
     const int next = item + gridDim.x;
     float4 nxt[kPer];
     if constexpr (kLoad) {
-      if (next < items) load_slice<kCs>(at(rows[next / kPerRequest], next), nxt);
+      if (next < items) load_slice<kCs>(at(rows[next / kSlicesPerRequest], next), nxt);
     } else {
 #pragma unroll
       for (int j = 0; j < kPer; ++j) nxt[j] = cur[j];
     }
-    const int n = item / kPerRequest;
+    const int n = item / kSlicesPerRequest;
     if constexpr (kStore) {
 #pragma unroll
       for (int t = 0; t < 4; ++t) store_scaled<kCs>(at(wrows[4 * n + t], item), cur);
@@ -180,6 +179,20 @@ __device__ inline void mbar_wait(unsigned long long* bar, unsigned parity) {
       "r"(parity)
       : "memory");
 }
+// One 16 KB slice global -> shared by TMA, completing on `bar` (whose expected bytes the caller set).
+__device__ inline void bulk_load_slice(float* dst, const float* src, unsigned long long* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+          smem_u32(dst)),
+      "l"(src), "r"(kSliceBytes), "r"(smem_u32(bar))
+      : "memory");
+}
+// One 16 KB slice shared -> global by TMA, in the thread's current bulk group.
+__device__ inline void bulk_store_slice(float* dst, const float* src) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(smem_u32(src)),
+               "r"(kSliceBytes)
+               : "memory");
+}
 
 // wrows == nullptr: each slice is stored back in place; else to its request's 4 rows wrows[4 n + t].
 __global__ void __launch_bounds__(160)
@@ -191,10 +204,8 @@ __global__ void __launch_bounds__(160)
   const int mine = items > static_cast<int>(blockIdx.x) ? (items - blockIdx.x + G - 1) / G : 0;
   auto at = [&](const int* r, int k, int t) {
     const int item = blockIdx.x + k * G;
-    const int n = item / (kH * (kD / kSliceRows));
-    const int rem = item % (kH * (kD / kSliceRows));
-    const int row = r == rows ? r[n] : r[4 * n + t];
-    return pool + (static_cast<size_t>(row) * kH * kD * kD + static_cast<size_t>(rem) * kSliceFloats);
+    const int n = item / kSlicesPerRequest;
+    return slice_at(pool, r == rows ? r[n] : r[4 * n + t], item);
   };
   auto src = [&](int k) { return at(rows, k, 0); };
   if (tid == 0) {
@@ -210,11 +221,7 @@ __global__ void __launch_bounds__(160)
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(&sm.full[s])),
                  "r"(kSliceBytes)
                  : "memory");
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-            smem_u32(sm.buf[s])),
-        "l"(src(k)), "r"(kSliceBytes), "r"(smem_u32(&sm.full[s]))
-        : "memory");
+    bulk_load_slice(sm.buf[s], src(k), &sm.full[s]);
   };
   if (warp == 4) {
     if (lane == 0) {
@@ -222,12 +229,8 @@ __global__ void __launch_bounds__(160)
       for (int k = 0; k < mine; ++k) {
         const int s = k % kTmaStages;
         mbar_wait(touch ? &sm.done[s] : &sm.full[s], (k / kTmaStages) & 1);
-        for (int t = 0; t < (wrows ? 4 : 1); ++t) {
-          asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(
-                           wrows ? at(wrows, k, t) : src(k)),
-                       "r"(smem_u32(sm.buf[s])), "r"(kSliceBytes)
-                       : "memory");
-        }
+        for (int t = 0; t < (wrows ? 4 : 1); ++t)
+          bulk_store_slice(wrows ? at(wrows, k, t) : src(k), sm.buf[s]);
         asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
         // Refill the stage of item k - 1 once its store has read it (one store left in flight).
         if (k >= 1 && k - 1 + kTmaStages < mine) {
@@ -266,12 +269,6 @@ __global__ void __launch_bounds__(32, 1)
   __shared__ unsigned long long full;
   namespace cg = cooperative_groups;
   cg::grid_group grid = cg::this_grid();
-  constexpr int kPerRequest = kH * (kD / kSliceRows);
-  const size_t row_floats = static_cast<size_t>(kH) * kD * kD;
-  auto at = [&](int row, int it) {
-    return pool + static_cast<size_t>(row) * row_floats +
-           static_cast<size_t>(it % kPerRequest) * kSliceFloats;
-  };
   const int G = gridDim.x;
   const int rounds = (items + G * slices - 1) / (G * slices);
   const bool leader = threadIdx.x == 0;
@@ -290,11 +287,8 @@ __global__ void __launch_bounds__(32, 1)
                    : "memory");
       for (int s = 0; s < count; ++s) {
         const int item = first + s;
-        asm volatile(
-            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                smem_u32(buf + static_cast<size_t>(s) * kSliceFloats)),
-            "l"(at(rows[item / kPerRequest], item)), "r"(kSliceBytes), "r"(smem_u32(&full))
-            : "memory");
+        bulk_load_slice(buf + static_cast<size_t>(s) * kSliceFloats,
+                        slice_at(pool, rows[item / kSlicesPerRequest], item), &full);
       }
       mbar_wait(&full, phase);
       phase ^= 1;
@@ -303,12 +297,9 @@ __global__ void __launch_bounds__(32, 1)
     if (leader && count > 0) {
       for (int s = 0; s < count; ++s) {
         const int item = first + s;
-        for (int t = 0; t < 4; ++t) {
-          asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(
-                           at(wrows[4 * (item / kPerRequest) + t], item)),
-                       "r"(smem_u32(buf + static_cast<size_t>(s) * kSliceFloats)), "r"(kSliceBytes)
-                       : "memory");
-        }
+        for (int t = 0; t < 4; ++t)
+          bulk_store_slice(slice_at(pool, wrows[4 * (item / kSlicesPerRequest) + t], item),
+                           buf + static_cast<size_t>(s) * kSliceFloats);
       }
       asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
       asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
