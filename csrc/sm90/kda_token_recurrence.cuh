@@ -269,6 +269,7 @@ template <bool kF32>
 constexpr bool kStreamStateStores = kF32;
 template <int D, bool kF32, bool kStream = false>
 __device__ inline void store_state_row(void* row, int j, const float (&s)[16]) {
+  static_assert(!kStream || kF32, "streaming state stores are for fp32 pools (kStreamStateStores)");
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int col = token_col<D>(j, i);
@@ -284,12 +285,7 @@ __device__ inline void store_state_row(void* row, int j, const float (&s)[16]) {
       uint2 u;
       u.x = pack_bf16(s[4 * i], s[4 * i + 1]);
       u.y = pack_bf16(s[4 * i + 2], s[4 * i + 3]);
-      uint2* p = reinterpret_cast<uint2*>(static_cast<bf16*>(row) + col);
-      if constexpr (kStream) {
-        __stcs(p, u);
-      } else {
-        *p = u;
-      }
+      *reinterpret_cast<uint2*>(static_cast<bf16*>(row) + col) = u;
     }
   }
 }
