@@ -66,6 +66,17 @@ sm90::DecodeKernel decode_kernel_choice() {
   return sm90::DecodeKernel::kAuto;
 }
 
+// The pipelined decode kernel's state loads: evict-first (1) or normal (0) L2 policy.  Dev switch
+// FLASHKDA_DECODE_LOAD_POLICY=evict_first | normal forces it (A/B runs); by default normal, pending its
+// H200 sweep over N (perf-notes v39).
+int decode_load_evict_first(const DecodeShape& shape, bool f32) {
+  if (env_is("FLASHKDA_DECODE_LOAD_POLICY", "evict_first")) return 1;
+  if (env_is("FLASHKDA_DECODE_LOAD_POLICY", "normal")) return 0;
+  (void)shape;
+  (void)f32;
+  return 0;
+}
+
 // Dev switch: FLASHKDA_DECODE_PDL=0 launches the decode kernels without programmatic dependent
 // launch.
 bool decode_pdl() {
@@ -273,6 +284,7 @@ Status run_decode_cuda(const DecodeParams& p, const DecodeShape& shape, void* wo
   if (a.N == 0 || a.H == 0) return clear_device_error(workspace, stream);
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const int sms = g_num_sms[p.q.device_index].load();
+  a.load_evict_first = decode_load_evict_first(shape, f32);
   const sm90::DecodeKernel kernel = decode_kernel_choice();
   return sm90::launch_decode(a, static_cast<int>(shape.K), f32, kernel, decode_pdl(), sms, s);
 }

@@ -439,6 +439,19 @@ __device__ inline void bulk_load(void* dst, const void* src, uint32_t bytes, uin
       : "memory");
 }
 
+// bulk_load with an L2 evict-first policy: for data read once (a decode call's state slices), so that
+// its lines leave L2 before the lines still to be read or written back.
+__device__ inline void bulk_load_evict_first(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, "
+      "[%3], "
+      "%4;\n" ::"r"(smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy)
+      : "memory");
+}
+
 // TMA bulk copy shared -> global (16-byte aligned, a multiple of 16 bytes) in this thread's bulk
 // group; the writes to the shared source must be ordered before it by fence.proxy.async (the copy
 // reads through the async proxy), and the source must stay valid until bulk_store_wait_read.

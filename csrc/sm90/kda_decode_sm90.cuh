@@ -63,6 +63,9 @@ struct DecodeArgs {
   int gate_mode, l2norm, beta_sigmoid;
   float scale, lower_bound;
   int* error_word;
+  // The pipelined kernel's TMA loads of state slices carry an L2 evict-first policy (set by the host
+  // from the call's size; FLASHKDA_DECODE_LOAD_POLICY forces it).
+  int load_evict_first;
 };
 
 // Request n's tokens; false when its cu_seqlens pair is invalid (the span is then empty).
