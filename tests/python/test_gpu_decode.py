@@ -567,6 +567,29 @@ def test_deterministic(gen):
         assert torch.equal(out, results[0][0]) and torch.equal(pool, results[0][1])
 
 
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=["fp32", "bf16"])
+def test_state_load_policy_is_bitwise_neutral(gen, dtype, monkeypatch):
+    """The L2 policy of the pipelined kernel's state loads (FLASHKDA_DECODE_LOAD_POLICY, a dev switch
+    read on every call) changes where lines live in L2, never a value: both policies give bitwise equal
+    outputs and pools, and the right ones."""
+    N, T, H, D = 64, 4, 16, 128
+    P = N * T + 3
+    inp = tokens(gen, N=N, T=T, H=H, D=D)
+    pool0 = new_pool(gen, P, H, D, dtype)
+    idx, acc = spec_indices(gen, N, T, P)
+    idx, acc = idx.to(DEV), acc.to(DEV)
+    results = {}
+    for policy in ("normal", "evict_first"):
+        monkeypatch.setenv("FLASHKDA_DECODE_LOAD_POLICY", policy)
+        pool = pool0.clone()
+        out = check_decode(gen, inp, pool, idx, acc, what=f" policy {policy}")[0]
+        results[policy] = (out, pool)
+    torch.cuda.synchronize()
+    (out_n, pool_n), (out_e, pool_e) = results["normal"], results["evict_first"]
+    assert torch.equal(out_n, out_e), f"seed {seed_of(gen)}: outputs differ between the load policies"
+    assert torch.equal(pool_n, pool_e), f"seed {seed_of(gen)}: pools differ between the load policies"
+
+
 def test_cuda_graph_replay(gen):
     """Captured once, replayed with new inputs, indices, acceptance counts and pool contents copied
     into the static tensors: bitwise equal to eager calls, and right."""
