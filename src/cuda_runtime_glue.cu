@@ -66,15 +66,20 @@ sm90::DecodeKernel decode_kernel_choice() {
   return sm90::DecodeKernel::kAuto;
 }
 
-// The pipelined decode kernel's state loads: evict-first (1) or normal (0) L2 policy.  Dev switch
-// FLASHKDA_DECODE_LOAD_POLICY=evict_first | normal forces it (A/B runs); by default normal, pending its
-// H200 sweep over N (perf-notes v39).
+// The pipelined decode kernel's state loads: evict-first (1) or normal (0) L2 policy.  Evict-first for
+// speculative calls on fp32 pools that read at most kEvictFirstMaxStateBytes of state: on the H200 it
+// measured -2.3% on spec 1+3 N = 64 H = 16 (64 MiB read) and +0.6% on N = 256 (256 MiB), 3 rounds each
+// (perf-notes v39); the calls between, smaller ones and bf16 pools are not yet swept
+// (bench/probe_decode_load_policy.py), so larger calls and bf16 pools keep the normal policy.  Dev
+// switch FLASHKDA_DECODE_LOAD_POLICY=evict_first | normal forces it (A/B runs).
+constexpr int64_t kEvictFirstMaxStateBytes = int64_t{64} << 20;
+
 int decode_load_evict_first(const DecodeShape& shape, bool f32) {
   if (env_is("FLASHKDA_DECODE_LOAD_POLICY", "evict_first")) return 1;
   if (env_is("FLASHKDA_DECODE_LOAD_POLICY", "normal")) return 0;
-  (void)shape;
-  (void)f32;
-  return 0;
+  if (!shape.spec || !f32) return 0;
+  const int64_t state_bytes = shape.N * shape.H * shape.V * shape.K * int64_t{4};  // read once a call
+  return state_bytes <= kEvictFirstMaxStateBytes ? 1 : 0;
 }
 
 // Dev switch: FLASHKDA_DECODE_PDL=0 launches the decode kernels without programmatic dependent

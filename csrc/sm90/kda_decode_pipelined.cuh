@@ -216,7 +216,7 @@ __device__ inline void issue_decode_item(const DecodeArgs& a, const DecodeItem& 
           ((it.read * head_rows + static_cast<int64_t>(it.h) * D + static_cast<int64_t>(it.slice) * R) * D) *
               (kF32 ? 4 : 2);
       mbar_arrive_expect_tx(full, Stage::kStateBytes);
-      if (a.load_evict_first) {  // read once a call (host rule: run_decode_cuda)
+      if (a.load_evict_first) {  // read once a call (host rule: decode_load_evict_first)
         bulk_load_evict_first(st.state, src, Stage::kStateBytes, full);
       } else {
         bulk_load(st.state, src, Stage::kStateBytes, full);
