@@ -20,6 +20,8 @@
 //               store (a decode kernel that stores its state through shared memory by TMA)
 //   spec-tma    spec-rand's pattern by TMA: each slice bulk-loaded once and bulk-stored to its 4 write
 //               rows from the same stage (the SM never touches the data)
+//   spec-tma-pf the same, each block first reading its first K items into L2 (cp.async.bulk.prefetch.L2):
+//               the call's first reads in one burst, not mixed into the writes
 //   memset      cudaMemsetAsync of the copy's bytes: the write-only rate, for spec's 1 : 4 mix
 //   *-cs        the same pattern with streaming cache hints (st.global.cs stores, ld.global.cs loads:
 //               evict-first in L1 and L2), whether the pattern's ceiling is a cache-policy effect
@@ -187,6 +189,11 @@ __device__ inline void bulk_load_slice(float* dst, const float* src, unsigned lo
       "l"(src), "r"(kSliceBytes), "r"(smem_u32(bar))
       : "memory");
 }
+// One 16 KB slice global -> L2 only (no shared destination, nothing to wait on): an early read of a slice
+// that a later bulk_load_slice then finds in L2.
+__device__ inline void prefetch_slice_l2(const float* src) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(kSliceBytes) : "memory");
+}
 // One 16 KB slice shared -> global by TMA, in the thread's current bulk group.
 __device__ inline void bulk_store_slice(float* dst, const float* src) {
   asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(smem_u32(src)),
@@ -195,8 +202,12 @@ __device__ inline void bulk_store_slice(float* dst, const float* src) {
 }
 
 // wrows == nullptr: each slice is stored back in place; else to its request's 4 rows wrows[4 n + t].
+// prefetch > kTmaStages: at its start the block also reads its items kTmaStages .. prefetch - 1 into L2
+// (prefetch_slice_l2), so that the first grid x prefetch slices of the call are read in one burst before
+// the writes build up, instead of mixed into them (the mix costs the spec pattern 12-15%: perf-notes v38,
+// v39); prefetch x grid x 16 KB must stay well inside the L2 for the lines to be there when loaded.
 __global__ void __launch_bounds__(160)
-    rmw_tma_kernel(float* pool, const int* rows, const int* wrows, int items, int touch) {
+    rmw_tma_kernel(float* pool, const int* rows, const int* wrows, int items, int touch, int prefetch = 0) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   TmaSmem& sm = *reinterpret_cast<TmaSmem*>(smem_raw);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -226,6 +237,7 @@ __global__ void __launch_bounds__(160)
   if (warp == 4) {
     if (lane == 0) {
       for (int k = 0; k < kTmaStages && k < mine; ++k) load(k);
+      for (int k = kTmaStages; k < prefetch && k < mine; ++k) prefetch_slice_l2(src(k));
       for (int k = 0; k < mine; ++k) {
         const int s = k % kTmaStages;
         mbar_wait(touch ? &sm.done[s] : &sm.full[s], (k / kTmaStages) & 1);
@@ -427,6 +439,18 @@ int main(int argc, char** argv) {
           [&] { rmw_tma_kernel<<<grid, 160, sizeof(TmaSmem)>>>(pool, rows_rand, wrows, items, 0); }, 20);
       std::printf("spec-tma  %d/SM  %8.1f us  %5.2f TB/s  %5.1f%% of memcpy\n", per_sm, t,
                   bytes_spec / t * 1e-6, 100.f * (bytes_spec / t) / (bytes_rw / t_memcpy));
+    }
+    // The same with the call's first reads in one burst into L2 (K items a block, K x grid x 16 KB).
+    for (int per_sm : {1, 2}) {
+      const int grid = std::min(items, sms * per_sm);
+      for (int pf : {6, 8, 12}) {
+        const float t = time_us(
+            [&] { rmw_tma_kernel<<<grid, 160, sizeof(TmaSmem)>>>(pool, rows_rand, wrows, items, 0, pf); },
+            20);
+        std::printf("spec-tma-pf K=%-2d %d/SM %8.1f us  %5.2f TB/s  %5.1f%% of memcpy (%zu MB read first)\n",
+                    pf, per_sm, t, bytes_spec / t * 1e-6, 100.f * (bytes_spec / t) / (bytes_rw / t_memcpy),
+                    (static_cast<size_t>(std::min(pf * grid, items)) * kSliceBytes) >> 20);
+      }
     }
     for (int slices : {4, 8, 12}) {
       const int smem = slices * kSliceBytes;
