@@ -22,6 +22,7 @@
 //               rows from the same stage (the SM never touches the data)
 //   spec-tma-pf the same, each block first reading its first K items into L2 (cp.async.bulk.prefetch.L2):
 //               the call's first reads in one burst, not mixed into the writes
+//   tma-copy-pf tma-copy (plain decode's 1 : 1 read-modify-write by TMA) with the same first-read burst
 //   memset      cudaMemsetAsync of the copy's bytes: the write-only rate, for spec's 1 : 4 mix
 //   *-cs        the same pattern with streaming cache hints (st.global.cs stores, ld.global.cs loads:
 //               evict-first in L1 and L2), whether the pattern's ceiling is a cache-policy effect
@@ -491,6 +492,17 @@ int main(int argc, char** argv) {
           20);
       std::printf("tma-%s %d/SM  %8.1f us  %5.2f TB/s  %5.1f%% of memcpy\n", touch ? "rmw " : "copy", per_sm,
                   t, bytes_rw / t * 1e-6, 100.f * t_memcpy / t);
+    }
+  }
+  {  // plain decode's 1 : 1 mix with the call's first reads in one burst into L2 (2 blocks an SM)
+    const int grid = std::min(items, sms * 2);
+    for (int pf : {6, 8, 12}) {
+      const float t = time_us(
+          [&] { rmw_tma_kernel<<<grid, 160, sizeof(TmaSmem)>>>(pool, rows_rand, nullptr, items, 0, pf); },
+          20);
+      std::printf("tma-copy-pf K=%-2d 2/SM %8.1f us  %5.2f TB/s  %5.1f%% of memcpy (%zu MB read first)\n", pf,
+                  t, bytes_rw / t * 1e-6, 100.f * t_memcpy / t,
+                  (static_cast<size_t>(std::min(pf * grid, items)) * kSliceBytes) >> 20);
     }
   }
   CHECK(cudaGetLastError());
