@@ -5,7 +5,7 @@ The pipelined kernel (fp32 spec calls) can load its state slices with an L2 evic
 call, so one process can time both).  On the H200 it measured -2.3% at spec 1+3 N = 64 and +0.6% at N = 256
 (fp32 pool).  This times spec 1+3 calls over a list of N, for fp32 and bf16 pools, with the pipelined kernel
 forced (bf16 spec calls of these sizes otherwise run the spec stream kernel, which has no TMA loads), the
-two policies alternating in ROUNDS rounds, each a CUDA graph of bench_decode's calls timed by events
+two policies alternating in --rounds rounds, each a CUDA graph of bench_decode's calls timed by events
 (median of --iters replays).  It prints, per (dtype, N), each policy's median over rounds and the change;
 the auto rule of decode_load_evict_first (src/cuda_runtime_glue.cu) is read off this table.
 
@@ -61,7 +61,8 @@ def main():
             ef = statistics.median(per["evict_first"])
             r = dict(dtype=dt, N=N, normal_us=normal, evict_first_us=ef, change_pct=100 * (ef / normal - 1),
                      normal_rounds=per["normal"], evict_first_rounds=per["evict_first"], floor_us=floor_us,
-                     state_bytes=N * args.H * bd.D * bd.D * dtype.itemsize * (1 + T))
+                     # what decode_load_evict_first's rule compares: the state read once a call
+                     state_read_bytes=N * args.H * bd.D * bd.D * dtype.itemsize)
             rows.append(r)
             rs = " ".join(f"{a:.1f}/{b:.1f}" for a, b in zip(per["normal"], per["evict_first"]))
             print(f"{dt} N={N:4d}  normal {normal:8.1f} us  evict_first {ef:8.1f} us  {r['change_pct']:+6.2f}%"
