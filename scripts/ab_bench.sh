@@ -45,7 +45,10 @@ if [ "${PLAN:-0}" = 1 ]; then
   nv=$(echo $names | wc -w)
   ncase=$( [ -n "$CASES" ] && echo "$CASES" | tr ',' '\n' | grep -c . || echo 10)
   ntest=0
-  if [ "${TESTS:-0}" = 1 ]; then ntest=$(( nv - 1 )); [ -n "${TEST_VARIANTS:-}" ] && ntest=$(echo $TEST_VARIANTS | wc -w); fi
+  if [ "${TESTS:-0}" = 1 ]; then
+    ntest=$(( nv - 1 )); [ "${TEST_BASE:-0}" = 1 ] && ntest=$nv
+    [ -n "${TEST_VARIANTS:-}" ] && ntest=$(echo $TEST_VARIANTS | wc -w)
+  fi
   nsan=$(echo ${SANITIZE_VARIANTS:-} | wc -w)
   est=$(( 17 * nv + 20 * ntest + 30 * nsan + ROUNDS * nv * (5 + 3 * ncase * ITERS / 30) ))
   echo "plan: $nv builds, $ntest test runs, $nsan x 2 sanitizer runs, $ROUNDS x $nv x $ncase timed runs: ~${est} s"

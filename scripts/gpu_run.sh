@@ -21,8 +21,10 @@
 #               contiguous, interleaved): $OUT/cp_segments.json, $OUT/state_dtype.json;
 #               PROBES=sm_partition: bench/probe_sm_partition.py (chunk_prepare and the walk on disjoint SM
 #               sets through green contexts): $OUT/sm_partition.json;
-#               PROBES=decode_load_policy: bench/probe_decode_load_policy.py (spec 1+3 over N, fp32 and bf16
-#               pools, the pipelined kernel's two state-load L2 policies in rounds): $OUT/decode_load_policy.json
+#               PROBES=decode_load_policy: bench/probe_decode_switch.py (spec 1+3 over N, fp32 and bf16
+#               pools, the pipelined kernel's two state-load L2 policies in rounds): $OUT/decode_load_policy.json;
+#               PROBES=decode_switch: the same probe over DECODE_SWITCH="FLASHKDA_<NAME>=v1,v2,..." with
+#               DECODE_SWITCH_ARGS (e.g. "--dtypes fp32 --Ns 64,256"): $OUT/decode_switch.json
 #   DECODE_VARIANTS="FLASHKDA_DECODE_KERNEL=pipelined FLASHKDA_DECODE_PDL=0" also runs the decode
 #               benchmark (without fla) once per VAR=VALUE setting: bench_decode_<var>_<value>.json
 # Usage from the device tool (the device copy of the tree has no usable git history, so pass the
@@ -99,8 +101,10 @@ for probe in ${PROBES:-}; do
     cp_segments) python3 bench/probe_cp_segments.py --json "$OUT/cp_segments.json" ;;
     state_dtype) python3 bench/bench_state_dtype.py --rounds "${STATE_DTYPE_ROUNDS:-5}" --json "$OUT/state_dtype.json" ;;
     sm_partition) python3 bench/probe_sm_partition.py --json "$OUT/sm_partition.json" ;;
-    decode_load_policy) python3 bench/probe_decode_load_policy.py --json "$OUT/decode_load_policy.json" ;;
-    *) echo "unknown probe: $probe (expected cp_segments, state_dtype, sm_partition or decode_load_policy)" ;;
+    decode_load_policy) python3 bench/probe_decode_switch.py --json "$OUT/decode_load_policy.json" ;;
+    decode_switch) python3 bench/probe_decode_switch.py --switch "${DECODE_SWITCH:-}" ${DECODE_SWITCH_ARGS:-} \
+      --json "$OUT/decode_switch.json" ;;
+    *) echo "unknown probe: $probe (expected cp_segments, state_dtype, sm_partition, decode_load_policy or decode_switch)" ;;
   esac
 done
 if [ -d /tmp/triton_cache ]; then tar czf - -C /tmp triton_cache | split -b 15M - "$OUT/triton_cache.tgz.part"; fi

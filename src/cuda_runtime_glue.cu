@@ -70,7 +70,7 @@ sm90::DecodeKernel decode_kernel_choice() {
 // speculative calls on fp32 pools that read at most kEvictFirstMaxStateBytes of state: on the H200 it
 // measured -2.3% on spec 1+3 N = 64 H = 16 (64 MiB read) and +0.6% on N = 256 (256 MiB), 3 rounds each
 // (perf-notes v39); the calls between, smaller ones and bf16 pools are not yet swept
-// (bench/probe_decode_load_policy.py), so larger calls and bf16 pools keep the normal policy.  Dev
+// (bench/probe_decode_switch.py), so larger calls and bf16 pools keep the normal policy.  Dev
 // switch FLASHKDA_DECODE_LOAD_POLICY=evict_first | normal forces it (A/B runs).
 constexpr int64_t kEvictFirstMaxStateBytes = int64_t{64} << 20;
 
