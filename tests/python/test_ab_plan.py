@@ -32,3 +32,13 @@ def test_plan_warns_when_a_call_would_run_out(tmp_path):
     out = _plan(tmp_path, TESTS="1", VARIANTS="a b c d e f g", SANITIZE_VARIANTS="a b c d e f g",
                 CASES="0,1,2,3,4,5", ROUNDS="3")
     assert "split the variants over two calls" in out
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_plan_counts_the_base_tests_when_asked(tmp_path):
+    # TEST_BASE=1 tests main's own build too: one test run more than the variants (20 s in the estimate).
+    args = dict(TESTS="1", VARIANTS="decode-read-burst", SANITIZE_VARIANTS="decode-read-burst", CASES="4,5,6,7",
+                ROUNDS="3", BENCH="decode")
+    assert "1 test runs" in _plan(tmp_path, **args)
+    out = _plan(tmp_path, TEST_BASE="1", **args)
+    assert "plan: 2 builds, 2 test runs, 1 x 2 sanitizer runs, 3 x 2 x 4 timed runs: ~206 s" in out
