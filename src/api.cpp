@@ -17,7 +17,10 @@ int64_t forced_segment_chunks() {
   if (e == nullptr) return 0;
   if (std::strcmp(e, "off") == 0) return -1;
   const long long v = std::atoll(e);
-  return v > 0 ? static_cast<int64_t>(v) : 0;
+  // Clamped to kMaxForcedSegmentChunks: the kernels take the length as an int, and the workspace
+  // bound multiplies it by the chunk length.  Any value past a sequence's chunk count (< 2^25 for
+  // T < 2^31) already means one segment, so the clamp changes no plan.
+  return v > 0 ? std::min<int64_t>(static_cast<int64_t>(v), kMaxForcedSegmentChunks) : 0;
 }
 
 // With few sequences x heads the walk uses b = N H D / 64 blocks of the GPU's SMs.  Segment 0 is

@@ -20,6 +20,7 @@
 
 #include "flashkda/decode.h"
 #include "flashkda/flashkda.h"
+#include "runtime/cuda_dispatch.h"
 
 namespace flashkda {
 
@@ -117,6 +118,27 @@ TensorRef make_strided_tensor_ref(void* data, DType dtype, std::initializer_list
   }
   return t;
 }
+
+namespace detail {
+
+// T: the kernels round a fixed-length batch's T up to whole chunks in int (T + C - 1), so T stays
+// C - 1 below 2^31 (no input that large fits a GPU today; the bound keeps the arithmetic exact anyway).
+Status cuda_size_limits(int64_t B, int64_t T, int64_t H, int64_t N) {
+  constexpr int64_t kMaxGridY = 65535, kMaxInt = 0x7fffffff, kMaxT = kMaxInt - (kChunkTokens - 1);
+  if (H > kMaxGridY) {
+    return Status::invalid("flashkda: argument 'q': expected at most " + std::to_string(kMaxGridY) +
+                           " heads (dim 2) on CUDA, got H = " + std::to_string(H));
+  }
+  if (B > kMaxInt || T > kMaxT || N > kMaxInt) {
+    return Status::invalid(
+        "flashkda: argument 'q': expected B and the sequence count N below 2^31, T below 2^31 - " +
+        std::to_string(kChunkTokens - 1) + " on CUDA, got B = " + std::to_string(B) +
+        ", T = " + std::to_string(T) + ", N = " + std::to_string(N));
+  }
+  return Status::ok_status();
+}
+
+}  // namespace detail
 
 namespace {
 
@@ -328,8 +350,9 @@ struct TokenDims {
 // or DecodeParams (the same member names).
 template <class Params>
 Status check_token_inputs(const Params& p, std::initializer_list<NamedRef> others, TokenDims* d) {
-  const char* kBTHK = "(B, T, H, K)";
-  const char* kBTHV = "(B, T, H, V)";
+  // The labels say where each expected size comes from: when q itself is the wrong tensor, the error
+  // names the first tensor that disagrees with it, and the label points back at q.
+  const char* kBTHK = "(B, T, H, K of q)";
 
   // ---- q defines B, T, H, K.
   FLASHKDA_TRY(check_given("q", p.q, "[B, T, H, K]"));
@@ -381,7 +404,7 @@ Status check_token_inputs(const Params& p, std::initializer_list<NamedRef> other
   FLASHKDA_TRY(check_rank("v", p.v, 4, "[B, T, H, V]"));
   FLASHKDA_TRY(check_dtype("v", p.v, {DType::kBFloat16}));
   const int64_t V = p.v.sizes[3];
-  FLASHKDA_TRY(check_shape("v", p.v, {B, T, H, V}, kBTHV));
+  FLASHKDA_TRY(check_shape("v", p.v, {B, T, H, V}, "(B, T, H of q, V)"));
   FLASHKDA_TRY(check_token_block("v", p.v, true, "each token's [H, V] block contiguous"));
   FLASHKDA_TRY(check_data("v", p.v));
 
@@ -406,14 +429,14 @@ Status check_token_inputs(const Params& p, std::initializer_list<NamedRef> other
   FLASHKDA_TRY(check_given("beta", p.beta, "[B, T, H]"));
   FLASHKDA_TRY(check_rank("beta", p.beta, 3, "[B, T, H]"));
   FLASHKDA_TRY(check_dtype("beta", p.beta, {DType::kBFloat16, DType::kFloat32}));
-  FLASHKDA_TRY(check_shape("beta", p.beta, {B, T, H}, "(B, T, H)"));
+  FLASHKDA_TRY(check_shape("beta", p.beta, {B, T, H}, "(B, T, H of q)"));
   FLASHKDA_TRY(check_token_block("beta", p.beta, false, "each token's [H] row contiguous"));
   FLASHKDA_TRY(check_data("beta", p.beta));
 
   FLASHKDA_TRY(check_given("out", p.out, "[B, T, H, V]"));
   FLASHKDA_TRY(check_rank("out", p.out, 4, "[B, T, H, V]"));
   FLASHKDA_TRY(check_dtype("out", p.out, {DType::kBFloat16}));
-  FLASHKDA_TRY(check_shape("out", p.out, {B, T, H, V}, kBTHV));
+  FLASHKDA_TRY(check_shape("out", p.out, {B, T, H, V}, "(B, T, H of q, V of v)"));
   FLASHKDA_TRY(check_token_block("out", p.out, true, "each token's [H, V] block contiguous"));
   FLASHKDA_TRY(check_no_self_overlap("out", p.out));
   FLASHKDA_TRY(check_data("out", p.out));
@@ -562,16 +585,7 @@ int64_t seq_len(const TensorRef& cu, int64_t T, int64_t n) {
 // rather than by the launcher after earlier kernels of the call have written.
 Status check_cuda_sizes(const TensorRef& q, int64_t B, int64_t T, int64_t H, int64_t N) {
   if (q.device != DeviceType::kCUDA) return Status::ok_status();
-  constexpr int64_t kMaxGridY = 65535, kMaxInt = 0x7fffffff;
-  if (H > kMaxGridY) {
-    return bad("q", "at most " + std::to_string(kMaxGridY) + " heads (dim 2) on CUDA",
-               "H = " + std::to_string(H));
-  }
-  if (B > kMaxInt || T > kMaxInt || N > kMaxInt) {
-    return bad("q", "B, T and the sequence count N below 2^31 on CUDA",
-               "B = " + std::to_string(B) + ", T = " + std::to_string(T) + ", N = " + std::to_string(N));
-  }
-  return Status::ok_status();
+  return detail::cuda_size_limits(B, T, H, N);
 }
 
 // Written tensor `name` must not share memory with tensor `other_name` (which the call writes too, or

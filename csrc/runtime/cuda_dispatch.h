@@ -32,12 +32,16 @@ constexpr int64_t kCpMinSegmentChunks = 32;
 // Dev switch FLASHKDA_PREFILL_SEGMENT_CHUNKS=<L> (L >= 1): force context parallelism with segments
 // of L chunks on every call (tests of the segment path on small inputs);
 // workspace_size() then reserves the larger area that needs.  =off: never (A/B benchmarks).
-// Returns L, -1 for off, 0 when unset (the automatic choice).
+// Returns L (at most kMaxForcedSegmentChunks), -1 for off, 0 when unset (the automatic choice).
+constexpr int64_t kMaxForcedSegmentChunks = int64_t{1} << 30;
 int64_t forced_segment_chunks();
 // The automatic context-parallel plan: segment length in chunks for num_seqs x num_heads sequences of
 // at most chunks_max chunks on `sms` SMs, 0 for the sequence-parallel walk (api.cpp says why).
 int64_t auto_segment_chunks(int64_t num_seqs, int64_t num_heads, int64_t head_dim, int64_t chunks_max,
                             int sms);
+// The launch limits validation checks for CUDA tensors (validate.cpp): H on one grid dimension,
+// B, T, N as int (T with room to round up to whole chunks).
+Status cuda_size_limits(int64_t B, int64_t T, int64_t H, int64_t N);
 // Bytes of the context-parallel area that follows the chunk records.
 size_t segment_area_bytes(int64_t total_tokens, int64_t num_heads, int64_t num_seqs, int64_t head_dim);
 // Bytes of the chunk-record area: one record per (chunk slot, head), with total / C + N + 1 slots.

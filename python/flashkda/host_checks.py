@@ -142,12 +142,12 @@ def token_layout(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, out: 
         check_rank(name, t, 4, layout)
         _check_float(name, t)
     V = v.shape[3]
-    _check_shape("k", k, (B, R, H, K), "(B, T, H, K)")
-    _check_shape("v", v, (B, R, H, V), "(B, T, H, V)")
+    _check_shape("k", k, (B, R, H, K), "(B, T, H, K of q)")
+    _check_shape("v", v, (B, R, H, V), "(B, T, H of q, V)")
     for name, t, rank, layout, dims, labels in (
-            ("g", g, 4, "[B, T, H, K]", (B, R, H, K), "(B, T, H, K)"),
-            ("beta", beta, 3, "[B, T, H]", (B, R, H), "(B, T, H)"),
-            ("out", out, 4, "[B, T, H, V]", (B, R, H, V), "(B, T, H, V)")):
+            ("g", g, 4, "[B, T, H, K]", (B, R, H, K), "(B, T, H, K of q)"),
+            ("beta", beta, 3, "[B, T, H]", (B, R, H), "(B, T, H of q)"),
+            ("out", out, 4, "[B, T, H, V]", (B, R, H, V), "(B, T, H of q, V of v)")):
         if t is None and name == "out":
             continue
         check_tensor(name, t, layout)

@@ -6,14 +6,19 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 
 #include "runtime/cuda_dispatch.h"
 
 namespace {
 
 using flashkda::detail::auto_segment_chunks;
+using flashkda::detail::forced_segment_chunks;
 using flashkda::detail::kCpMaxSeqHeads;
 using flashkda::detail::kCpMinSegmentChunks;
+using flashkda::detail::kMaxForcedSegmentChunks;
+using flashkda::detail::segment_area_bytes;
 
 TEST(ContextParallelPlan, TheIssueCasesOnAnH100) {
   // 1x16384 H16 (b = 32 four-warp blocks a segment): 5 segments of 52 chunks (4 of 64 before the head
@@ -62,6 +67,31 @@ TEST(ContextParallelPlan, NoSplitWithoutRoom) {
   EXPECT_EQ(auto_segment_chunks(1, 16, 128, 1024, 1), 0);
   EXPECT_EQ(auto_segment_chunks(0, 16, 128, 1024, 132), 0);
   EXPECT_EQ(auto_segment_chunks(1, 0, 128, 1024, 132), 0);
+}
+
+// The dev switch's value is clamped: the kernels take the segment length as an int and the
+// workspace bound multiplies it by the chunk length, so a huge value must not wrap either (a
+// length of 2^32 + 1 read as int is 1: the workspace would reserve one slot a sequence while the
+// kernels cut it into many).
+TEST(ContextParallelPlan, ForcedSegmentLengthIsClamped) {
+  const char* saved = std::getenv("FLASHKDA_PREFILL_SEGMENT_CHUNKS");
+  const std::string keep = saved ? saved : "";
+  setenv("FLASHKDA_PREFILL_SEGMENT_CHUNKS", "4294967297", 1);
+  EXPECT_EQ(forced_segment_chunks(), kMaxForcedSegmentChunks);
+  EXPECT_LE(kMaxForcedSegmentChunks, int64_t{0x7fffffff});
+  // One slot a sequence (the sequences are far shorter than a segment), not an overflowed count.
+  EXPECT_EQ(segment_area_bytes(int64_t{1} << 30, 2, 3, 64), size_t{3} * 2 * 3 * 64 * 64 * sizeof(float));
+  setenv("FLASHKDA_PREFILL_SEGMENT_CHUNKS", "9223372036854775807", 1);
+  EXPECT_EQ(forced_segment_chunks(), kMaxForcedSegmentChunks);
+  setenv("FLASHKDA_PREFILL_SEGMENT_CHUNKS", "5", 1);
+  EXPECT_EQ(forced_segment_chunks(), 5);
+  setenv("FLASHKDA_PREFILL_SEGMENT_CHUNKS", "off", 1);
+  EXPECT_EQ(forced_segment_chunks(), -1);
+  if (saved) {
+    setenv("FLASHKDA_PREFILL_SEGMENT_CHUNKS", keep.c_str(), 1);
+  } else {
+    unsetenv("FLASHKDA_PREFILL_SEGMENT_CHUNKS");
+  }
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 
 #include "flashkda/flashkda.h"
 #include "flashkda/reference.h"
+#include "runtime/cuda_dispatch.h"
 
 namespace flashkda {
 namespace {
@@ -290,7 +291,43 @@ TEST_F(Validation, VShapeMismatch) {
   p.v = make_tensor_ref(v.data(), DType::kBFloat16, {B, T - 1, H, D});
   expect_invalid(p, "v");
   EXPECT_EQ(can_implement(p).message,
-            "flashkda: argument 'v': expected shape [2, 8, 2, 64] (B, T, H, V), got [2, 7, 2, 64]");
+            "flashkda: argument 'v': expected shape [2, 8, 2, 64] (B, T, H of q, V), got [2, 7, 2, 64]");
+}
+
+// The CUDA launch limits (checked for CUDA tensors, before anything runs): the heads fit one grid
+// dimension, B and N an int, and T an int with room to round up to whole chunks.
+TEST(CudaSizeLimits, EdgesNameQ) {
+  using flashkda::detail::cuda_size_limits;
+  constexpr int64_t kMaxInt = 0x7fffffff;
+  EXPECT_TRUE(cuda_size_limits(1, 1, 65535, 1).ok());
+  EXPECT_TRUE(cuda_size_limits(kMaxInt, kMaxInt - 63, 1, kMaxInt).ok());
+  const Status h = cuda_size_limits(1, 1, 65536, 1);
+  EXPECT_EQ(static_cast<int>(h.code), static_cast<int>(Status::Code::kInvalidArgument));
+  EXPECT_EQ(h.message, "flashkda: argument 'q': expected at most 65535 heads (dim 2) on CUDA, got H = 65536");
+  const Status t = cuda_size_limits(1, kMaxInt - 62, 1, 1);
+  EXPECT_EQ(static_cast<int>(t.code), static_cast<int>(Status::Code::kInvalidArgument));
+  EXPECT_EQ(
+      t.message,
+      "flashkda: argument 'q': expected B and the sequence count N below 2^31, T below 2^31 - 63 on CUDA, "
+      "got B = 1, T = 2147483585, N = 1");
+  EXPECT_FALSE(cuda_size_limits(kMaxInt + 1, 1, 1, 1).ok());
+  EXPECT_FALSE(cuda_size_limits(1, 1, 1, kMaxInt + 1).ok());
+}
+
+// When q is the tensor with the wrong size, no check of q alone fails; the first tensor compared
+// with it is named, and the label says the expected sizes come from q.
+TEST_F(Validation, QShapeMismatchPointsBackAtQ) {
+  PrefillParams p = valid();
+  p.q = make_tensor_ref(q.data(), DType::kBFloat16, {B, T - 1, H, D});
+  expect_invalid(p, "k");
+  EXPECT_EQ(can_implement(p).message,
+            "flashkda: argument 'k': expected shape [2, 7, 2, 64] (B, T, H, K of q), got [2, 8, 2, 64]");
+  p = valid();
+  p.out = make_tensor_ref(big_out.data(), DType::kBFloat16, {B, T, H + 1, D});
+  expect_invalid(p, "out");
+  EXPECT_EQ(
+      can_implement(p).message,
+      "flashkda: argument 'out': expected shape [2, 8, 2, 64] (B, T, H of q, V of v), got [2, 8, 3, 64]");
 }
 
 TEST_F(Validation, NonContiguousHeadBlock) {
