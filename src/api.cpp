@@ -139,4 +139,29 @@ Status clear_device_error(void*, Stream) {
 }
 #endif
 
+namespace {
+Status check_error_header(const void* workspace, size_t workspace_bytes) {
+  if (workspace == nullptr || workspace_bytes < detail::kWorkspaceHeaderBytes) {
+    return Status::invalid("flashkda: argument 'workspace': expected at least " +
+                           std::to_string(detail::kWorkspaceHeaderBytes) +
+                           " bytes of device memory (the error header), got " +
+                           std::to_string(workspace_bytes) + (workspace == nullptr ? " (null pointer)" : ""));
+  }
+  return Status::ok_status();
+}
+}  // namespace
+
+Status read_device_error(const void* workspace, size_t workspace_bytes, Stream stream, DeviceError* err) {
+  if (err) *err = DeviceError::kNone;
+  Status st = check_error_header(workspace, workspace_bytes);
+  if (!st.ok()) return st;
+  return read_device_error(workspace, stream, err);
+}
+
+Status clear_device_error(void* workspace, size_t workspace_bytes, Stream stream) {
+  Status st = check_error_header(workspace, workspace_bytes);
+  if (!st.ok()) return st;
+  return clear_device_error(workspace, stream);
+}
+
 }  // namespace flashkda

@@ -550,6 +550,15 @@ Status check_cu_seqlens(const TensorRef& cu, int64_t B, int64_t T, int64_t* N, b
                "B=" + std::to_string(B));
   }
   *N = cu.sizes[0] - 1;
+  // No sequence, yet tokens: cu_seqlens[N] == T cannot hold whatever its value.  Known from the
+  // shapes, so it is refused here for every device (on CUDA the kernels would otherwise have no
+  // request to find it in).
+  if (*N == 0 && T != 0) {
+    return bad("cu_seqlens",
+               "at least 2 elements [N+1] for T = " + std::to_string(T) + " tokens" +
+                   (mapped ? " (the length of token_rows)" : ""),
+               shape_str(cu));
+  }
   if (cu.device == DeviceType::kCPU) {
     const int64_t first = read_index(cu, 0);
     if (first != 0) return bad("cu_seqlens", "cu_seqlens[0] == 0", std::to_string(first));

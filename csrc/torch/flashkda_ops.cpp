@@ -366,8 +366,10 @@ int64_t read_device_error_cuda(const at::Tensor& workspace) {
   const c10::cuda::CUDAGuard guard(workspace.device());
   auto stream = reinterpret_cast<flashkda::Stream>(
       c10::cuda::getCurrentCUDAStream(workspace.device().index()).stream());
+  // Sized form: a workspace shorter than the 4096-byte error header is refused, not read past.
+  const WorkspaceView w = workspace_view(workspace, workspace);
   flashkda::DeviceError err = flashkda::DeviceError::kNone;
-  throw_status(flashkda::read_device_error(workspace.data_ptr(), stream, &err));
+  throw_status(flashkda::read_device_error(w.ptr, w.bytes, stream, &err));
   return static_cast<int64_t>(err);
 }
 
@@ -377,7 +379,8 @@ void clear_device_error_cuda(const at::Tensor& workspace) {
   const c10::cuda::CUDAGuard guard(workspace.device());
   auto stream = reinterpret_cast<flashkda::Stream>(
       c10::cuda::getCurrentCUDAStream(workspace.device().index()).stream());
-  throw_status(flashkda::clear_device_error(workspace.data_ptr(), stream));
+  const WorkspaceView w = workspace_view(workspace, workspace);
+  throw_status(flashkda::clear_device_error(w.ptr, w.bytes, stream));
 }
 
 // The CUDA dispatch of an op: `impl` on the device of its first tensor (q).  A CPU q with some CUDA

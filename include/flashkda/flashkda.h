@@ -172,6 +172,10 @@ const char* device_error_name(DeviceError e);
 Status read_device_error(const void* workspace, Stream stream, DeviceError* err);
 // Clears the error header (asynchronously on `stream`).
 Status clear_device_error(void* workspace, Stream stream);
+// The same two, given the workspace's size: a workspace shorter than the 4096-byte header (or null)
+// is refused (invalid argument 'workspace') before any copy; the forms above trust the caller.
+Status read_device_error(const void* workspace, size_t workspace_bytes, Stream stream, DeviceError* err);
+Status clear_device_error(void* workspace, size_t workspace_bytes, Stream stream);
 
 // True when the library was built with the CUDA kernels, and whether `device_index` can run them.
 bool built_with_cuda();

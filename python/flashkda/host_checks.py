@@ -183,6 +183,9 @@ def token_layout(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, out: 
             raise bad("cu_seqlens", "B == 1 (q of shape [1, total_tokens, H, K]) when cu_seqlens is given",
                       f"B={B}")
         N = len(cu) - 1
+        if N == 0 and T != 0:
+            raise bad("cu_seqlens", f"at least 2 elements [N+1] for T = {T} tokens"
+                      + (" (the length of token_rows)" if token_rows is not None else ""), _shape(cu_seqlens))
         if cu[0] != 0:
             raise bad("cu_seqlens", "cu_seqlens[0] == 0", str(cu[0]))
         for i in range(1, N + 1):

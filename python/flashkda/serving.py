@@ -306,7 +306,10 @@ def kda_step(
             raise ValueError("flashkda: argument 'workspace': expected a contiguous 1-D uint8 tensor "
                              f"(flashkda.serving.new_step_workspace), got dtype {workspace.dtype}, shape "
                              f"{tuple(workspace.shape)}")
-        need = step_workspace_size(Tp, q.shape[2], Np) if prefill is not None else 2 * _region_bytes()
+        # Without a prefill group the prefill region still holds its error header (cleared below,
+        # read by read_step_errors): the decode workspace is exactly that header.
+        need = (step_workspace_size(Tp, q.shape[2], Np) if prefill is not None else
+                2 * _region_bytes() + get_decode_workspace_size())
         if workspace.numel() < need:
             raise ValueError(f"flashkda: argument 'workspace': expected at least {need} bytes "
                              f"(flashkda.serving.step_workspace_size), got {workspace.numel()} bytes")

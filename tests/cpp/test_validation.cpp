@@ -314,6 +314,24 @@ TEST(CudaSizeLimits, EdgesNameQ) {
   EXPECT_FALSE(cuda_size_limits(1, 1, 1, kMaxInt + 1).ok());
 }
 
+// cu_seqlens with no sequence while there are tokens: refused from the shapes for every device.
+TEST_F(Validation, CuSeqlensWithoutSequencesButTokens) {
+  PrefillParams p = valid();
+  int32_t zero = 0;
+  p.q = make_tensor_ref(q.data(), DType::kBFloat16, {1, B * T, H, D});
+  p.k = make_tensor_ref(k.data(), DType::kBFloat16, {1, B * T, H, D});
+  p.v = make_tensor_ref(v.data(), DType::kBFloat16, {1, B * T, H, D});
+  p.g = make_tensor_ref(g.data(), DType::kBFloat16, {1, B * T, H, D});
+  p.beta = make_tensor_ref(beta.data(), DType::kBFloat16, {1, B * T, H});
+  p.out = make_tensor_ref(out.data(), DType::kBFloat16, {1, B * T, H, D});
+  p.initial_state = TensorRef{};
+  p.final_state = TensorRef{};
+  p.cu_seqlens = make_tensor_ref(&zero, DType::kInt32, {1});
+  expect_invalid(p, "cu_seqlens");
+  EXPECT_EQ(can_implement(p).message,
+            "flashkda: argument 'cu_seqlens': expected at least 2 elements [N+1] for T = 16 tokens, got [1]");
+}
+
 // When q is the tensor with the wrong size, no check of q alone fails; the first tensor compared
 // with it is named, and the label says the expected sizes come from q.
 TEST_F(Validation, QShapeMismatchPointsBackAtQ) {
@@ -750,4 +768,30 @@ TEST(WorkspaceSize, ReservesTheSegmentAreaForFewSequencesTimesHeads) {
   EXPECT_EQ(records_64, (16384 / 64) * 64 * kRecord);
   // N beyond 32 / H adds records only.
   EXPECT_EQ(flashkda::workspace_size(0, 16, 3) - flashkda::workspace_size(0, 16, 2), 16 * kRecord);
+}
+
+// The sized error-header operations refuse a workspace shorter than the header (or null) before any
+// copy: nothing is read past it or written to it.
+TEST(DeviceErrorHeader, SizedFormsRefuseAShortWorkspace) {
+  std::vector<uint8_t> buf(4096, 0xAB);
+  flashkda::DeviceError err = flashkda::DeviceError::kBadCuSeqlens;
+  flashkda::Status s = flashkda::read_device_error(buf.data(), 16, nullptr, &err);
+  EXPECT_EQ(static_cast<int>(s.code), static_cast<int>(flashkda::Status::Code::kInvalidArgument));
+  EXPECT_EQ(
+      s.message,
+      "flashkda: argument 'workspace': expected at least 4096 bytes of device memory (the error header), "
+      "got 16");
+  EXPECT_EQ(static_cast<int>(err), 0);
+  s = flashkda::clear_device_error(buf.data(), 4095, nullptr);
+  EXPECT_EQ(static_cast<int>(s.code), static_cast<int>(flashkda::Status::Code::kInvalidArgument));
+  s = flashkda::clear_device_error(nullptr, 4096, nullptr);
+  EXPECT_EQ(
+      s.message,
+      "flashkda: argument 'workspace': expected at least 4096 bytes of device memory (the error header), "
+      "got 4096 (null pointer)");
+  for (uint8_t b : buf) ASSERT_EQ(b, 0xAB);
+  if (!flashkda::built_with_cuda()) {  // a full header passes the size check; the op needs CUDA
+    s = flashkda::clear_device_error(buf.data(), 4096, nullptr);
+    EXPECT_EQ(static_cast<int>(s.code), static_cast<int>(flashkda::Status::Code::kNotImplemented));
+  }
 }

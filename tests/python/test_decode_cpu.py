@@ -315,6 +315,10 @@ CASES = [
     ("cu_seqlens_batch", setter("kw", cu_seqlens=torch.tensor([0, 1, 2, 2], dtype=torch.int32)), "cu_seqlens"),
     ("cu_seqlens_decreasing", varlen_plain([0, 2, 1, 3]), "cu_seqlens", r"non-decreasing values"),
     ("cu_seqlens_end", varlen_plain([0, 1, 2, 2]), "cu_seqlens", r"cu_seqlens\[3\] == T = 3, got 2$"),
+    # No request, yet tokens: refused from the shapes (on CUDA too, where no kernel request would see it).
+    ("cu_seqlens_no_request", varlen_plain([0]), "cu_seqlens", r"at least 2 elements \[N\+1\] for T = 3 tokens, got \[1\]$"),
+    ("cu_seqlens_no_request_rows", varlen_plain([0], torch.tensor([0, 1, 2])), "cu_seqlens",
+     r"at least 2 elements \[N\+1\] for T = 3 tokens \(the length of token_rows\), got \[1\]$"),
     ("token_rows_range", varlen_plain([0, 1, 2, 3], torch.tensor([0, 1, 3])), "token_rows",
      r"values in \[0, 3\) .*, got token_rows\[2\] = 3$"),
     ("token_rows_duplicate", varlen_plain([0, 1, 2, 3], torch.tensor([0, 2, 2])), "token_rows",

@@ -78,6 +78,8 @@ CASES = [
     ("k_shape", set_args(k=bf(1, T + 1, H, D)), ValueError, "k",
      r"expected shape \[1, 8, 2, 64\] \(B, T, H, K of q\), got \[1, 9, 2, 64\]$"),
     # q one token longer than the rest: k is the first tensor that disagrees, and the label points at q.
+    ("cu_seqlens_no_sequence", set_kw(cu_seqlens=torch.tensor([0], dtype=torch.int32)), ValueError, "cu_seqlens",
+     r"expected at least 2 elements \[N\+1\] for T = 8 tokens, got \[1\]$"),
     ("q_longer_than_k", set_args(q=bf(1, T + 1, H, D)), ValueError, "k",
      r"expected shape \[1, 9, 2, 64\] \(B, T, H, K of q\), got \[1, 8, 2, 64\]$"),
     ("k_dtype", set_args(k=torch.randn(1, T, H, D).half()), ValueError, "k"),

@@ -480,6 +480,36 @@ def test_state_rows_distinct_on_a_one_block_grid(gen):
     assert torch.count_nonzero(pool) == 0
 
 
+@pytest.mark.parametrize("case", ["B0", "N0", "all_empty", "fixed_T0"])
+@pytest.mark.parametrize("with_state", [True, False], ids=["h0", "zeros"])
+def test_shapes_with_no_token_to_process(gen, case, with_state):
+    """Accepted shapes with nothing to walk (B = 0, cu_seqlens = [0], only empty sequences, fixed
+    T = 0): the call launches validly (chunk_prepare's one-block grid, then no walk or walks of zero
+    chunks), records no device error, and every sequence's final state is its initial state, or
+    zeros without one."""
+    shapes = {"B0": dict(B=0, T=5), "N0": dict(lens=[]), "all_empty": dict(lens=[0, 0, 0]),
+              "fixed_T0": dict(B=3, T=0)}
+    inp = make_inputs(**shapes[case], H=4, D=128, device=DEV, with_initial_state=with_state, generator=gen)
+    out, fs = poisoned_outputs(inp)
+    ws = flashkda.new_workspace(inp["q"], inp["cu_seqlens"])
+    if ws.numel() > 0:
+        ws.fill_(0xFF)  # a stale error header: the call must clear it itself
+    run(inp, out, fs, workspace=ws)
+    assert flashkda.read_device_error(ws) == 0, f"seed {seed_of(gen)}"
+    expected = inp["initial_state"] if with_state else torch.zeros_like(fs)
+    assert torch.equal(fs, expected), f"seed {seed_of(gen)}"
+
+
+def test_error_word_ops_refuse_a_workspace_shorter_than_the_header():
+    """read_device_error / clear_device_error read and clear the 4096-byte error header: a shorter
+    workspace is an argument error, not a copy past its end."""
+    small = torch.full((16,), 7, dtype=torch.uint8, device=DEV)
+    for op in (flashkda.clear_device_error, flashkda.read_device_error):
+        with pytest.raises(ValueError, match=r"argument 'workspace': expected at least 4096 bytes"):
+            op(small)
+    assert torch.all(small == 7)
+
+
 def test_cuda_size_limits_are_argument_errors():
     """More heads than one grid dimension holds is reported by validation (naming q), before any
     kernel runs, not by the launcher after earlier kernels of the call have written."""

@@ -505,6 +505,46 @@ def test_varlen_all_empty(gen):
     assert torch.equal(pool, before)
 
 
+@pytest.mark.parametrize("case", ["fixed_N0", "varlen_N0", "fixed_T0", "all_padded"])
+def test_calls_with_no_state_to_update(gen, case):
+    """No request (fixed N = 0, cu_seqlens = [0]), requests of no token, every request padded: the
+    call launches validly or not at all, clears a stale error header, leaves the pool alone, and
+    zeroes the padded requests' outputs."""
+    none = torch.empty(0, dtype=torch.int32, device=DEV)
+    inp, idx = {"fixed_N0": lambda: (tokens(gen, N=0), none),
+                "varlen_N0": lambda: (tokens(gen, lens=[]), none),
+                "fixed_T0": lambda: (tokens(gen, N=3, T=0), torch.tensor([4, 0, 2], device=DEV)),
+                "all_padded": lambda: (tokens(gen, N=3), torch.tensor([-1, -2, -1], device=DEV))}[case]()
+    pool = new_pool(gen, 6, 4, 128)
+    before = pool.clone()
+    ws = workspace()
+    ws.fill_(0xFF)
+    out = run_decode(inp, pool, idx, ws=ws)
+    assert flashkda.read_device_error(ws) == 0, f"seed {seed_of(gen)}"
+    assert torch.equal(pool, before), f"seed {seed_of(gen)}"
+    assert torch.count_nonzero(out) == 0, f"seed {seed_of(gen)}"
+
+
+def test_spec_decode_one_slot_a_request(gen):
+    """2-D indices [N, 1] (no draft token): speculative decode of one token a request."""
+    pool = new_pool(gen, 8, 4, 128)
+    idx, acc = spec_indices(gen, 5, 1, 8)
+    check_decode(gen, tokens(gen, N=5, T=1), pool, idx.to(DEV), acc.to(DEV))
+
+
+def test_tokens_without_requests_are_an_argument_error(gen):
+    """cu_seqlens = [0] with tokens present: refused from the shapes (no kernel request would see
+    it), nothing written."""
+    inp = tokens(gen, lens=[3])
+    pool = new_pool(gen, 2, 4, 128)
+    before = pool.clone()
+    out = torch.full(inp["v"].shape, NAN, dtype=BF16, device=DEV)
+    with pytest.raises(ValueError, match=r"argument 'cu_seqlens': expected at least 2 elements \[N\+1\] for T = 3"):
+        run_decode(inp, pool, torch.empty(0, dtype=torch.int32, device=DEV), out=out, ws=workspace(),
+                   cu_seqlens=torch.zeros(1, dtype=torch.int32, device=DEV))
+    assert torch.equal(pool, before) and torch.isnan(out.float()).all()
+
+
 # ---------------------------------------------------------------------------------------------
 # token_rows: logical token t reads / writes row token_rows[t] of dim 1
 

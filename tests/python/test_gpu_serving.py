@@ -87,6 +87,22 @@ def test_kda_step_groups(kinds, D, seed):
     check_step(step, new_pool(gen, 4, D), seed, workspace=ws)
 
 
+def test_kda_step_without_prefill_on_the_smallest_workspace(seed):
+    """A step with decode and spec groups only accepts a workspace of the two decode regions plus the
+    prefill region's error header (which it clears and read_step_errors reads), and refuses one byte
+    less before writing anything."""
+    gen = torch.Generator().manual_seed(seed)
+    full = mixed_plan(seed=seed)
+    step = make_step(StepPlan(decode=full.decode, spec=full.spec, extra_rows=2, seed=seed), 4, 128, gen, device=DEV)
+    need = 2 * flashkda.serving._region_bytes() + int(torch.ops.flashkda.get_decode_workspace_size())
+    pool = new_pool(gen, 4, 128)
+    before = pool.clone()
+    with pytest.raises(ValueError, match=rf"argument 'workspace': expected at least {need} bytes"):
+        run_kda_step(step, pool, workspace=torch.empty(need - 1, dtype=torch.uint8, device=DEV))
+    assert torch.equal(pool, before)
+    check_step(step, pool, seed, workspace=torch.full((need,), 0xFF, dtype=torch.uint8, device=DEV))
+
+
 @pytest.mark.parametrize("order", ["grouped", "reversed", "shuffled"])
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
 def test_kda_step_row_orders(order, idx_dtype, seed):
