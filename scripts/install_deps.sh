@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what building and testing FlashKDA needs on a fresh Debian/Ubuntu machine, only where
 # missing: a C++ compiler, python3 + pip, GoogleTest, then the pinned Python packages of
-# requirements.txt (torch, numpy, pytest, scikit-build-core, cmake, ninja).  Sourced by
+# requirements.txt (torch, numpy, pytest, scikit-build-core, cmake, ninja), and for the tests fla
+# (requirements-fla.txt) into build/fla-site.  Sourced by
 # scripts/test.sh and scripts/demo.sh; safe to run again (it installs nothing twice).
 set -euo pipefail
 
@@ -35,6 +36,15 @@ flashkda_install_deps() {
     [ "$(id -u)" -ne 0 ] && sudo="sudo"
     $sudo apt-get update -q
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q "${pkgs[@]}"
+  fi
+  # The tests of flashkda.fla_backend run fla's own chunk_kda dispatch (CPU: flashkda's reference
+  # behind it) in a subprocess that puts this directory on its path; the main environment stays
+  # without fla, so backend selection is tested as on a machine without it.  Pure-Python wheels.
+  if [ "$want_gtest" = 1 ] && [ ! -f "$root/build/fla-site/.flashkda-fla-0.6.0" ]; then
+    rm -rf "$root/build/fla-site"
+    python3 -m pip install -q --disable-pip-version-check --no-deps --target "$root/build/fla-site" \
+      -r "$root/requirements-fla.txt"
+    touch "$root/build/fla-site/.flashkda-fla-0.6.0"
   fi
   # nvcc outside PATH (the usual /usr/local/cuda): let CMake find it.
   if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then

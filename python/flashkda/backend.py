@@ -37,6 +37,7 @@ own implementations, or fla's, cannot serve its flags) and gets a :class:`Select
 
 from __future__ import annotations
 
+import contextvars
 import importlib
 import importlib.util
 import inspect
@@ -252,6 +253,28 @@ def _reset_caches() -> None:
     _own_op_cache.clear()
     _fla_cache.clear()
     _fla_functions.clear()
+
+
+# True while flashkda itself calls fla's function (the "triton" backend): flashkda's backend inside fla's
+# own dispatch (flashkda.fla_backend) then declines, so fla runs its own kernels instead of calling back.
+_FLA_SELF_CALL: contextvars.ContextVar = contextvars.ContextVar("flashkda_fla_self_call", default=False)
+
+
+def in_fla_self_call() -> bool:
+    """True inside :func:`call_fla` (flashkda's own call of fla's function)."""
+    return bool(_FLA_SELF_CALL.get())
+
+
+@torch.compiler.disable
+def call_fla(kind: str, *args, **kwargs):
+    """fla's function for `kind` called with these arguments, marked as flashkda's own call (see
+    :func:`in_fla_self_call`).  fla's dispatch is outside torch.compile graphs anyway."""
+    fn = fla_function(kind)
+    token = _FLA_SELF_CALL.set(True)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _FLA_SELF_CALL.reset(token)
 
 
 def fla_function(kind: str):

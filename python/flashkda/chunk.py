@@ -37,7 +37,7 @@ import torch
 
 from . import host_checks
 from . import reference as _reference
-from .backend import Selection, fla_function, select_backend
+from .backend import Selection, call_fla, select_backend
 from .ops import _new_out, _op_options, new_workspace
 
 __all__ = ["chunk_kda", "explain"]
@@ -151,8 +151,8 @@ def chunk_kda(
             extra["A_log"] = A_log
         if dt_bias is not None:
             extra["dt_bias"] = dt_bias
-        return fla_function("prefill")(
-            q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        return call_fla(
+            "prefill", q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
             use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
             safe_gate=safe_gate, lower_bound=lower_bound, disable_recompute=disable_recompute,

@@ -170,6 +170,7 @@ def test_triton_passes_the_call_through(monkeypatch):
 
     def fake_fla_chunk_kda(*a, **k):
         seen["args"], seen["kwargs"] = a, k
+        seen["self_call"] = FB.in_fla_self_call()  # flashkda's backend inside fla's dispatch declines it
         return sentinel
 
     def fake_select(kind, q, k, v, *, backend=None, fn=None, tensors=None, unsupported=(), evaluate_all=False):
@@ -178,9 +179,10 @@ def test_triton_passes_the_call_through(monkeypatch):
                             device=q.device.type, reasons={"triton": None})
 
     monkeypatch.setattr(FC, "select_backend", fake_select)
-    monkeypatch.setattr(FC, "fla_function", lambda kind: fake_fla_chunk_kda)
+    monkeypatch.setattr(FB, "fla_function", lambda kind: fake_fla_chunk_kda)
     ret = flashkda.chunk_kda(*args, backend="triton", chunk_size=32, head_first=False, **kw)
     assert ret is sentinel
+    assert seen["self_call"] is True and FB.in_fla_self_call() is False
     assert all(a is b for a, b in zip(seen["args"], args)) and len(seen["args"]) == 5
     got = seen["kwargs"]
     for key, value in kw.items():

@@ -510,6 +510,28 @@ def test_error_word_ops_refuse_a_workspace_shorter_than_the_header():
     assert torch.all(small == 7)
 
 
+def test_fla_dispatch_runs_the_kernels(gen):
+    """flashkda.fla_backend.register(): fla's own chunk_kda (fla >= 0.6) serves the Kimi call with
+    flashkda's kernels, bit for bit what flashkda.chunk_kda(backend="cuda") returns; fla's Triton
+    kernels never run (no autotune).  Skipped without fla (gpu_run.sh installs it from a carried .whl)."""
+    fla_kda = pytest.importorskip("fla.ops.kda")
+    import flashkda.fla_backend as FB
+    inp = make_inputs([100, 1, 64, 300], H=4, D=128, device=DEV, generator=gen)
+    args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"])
+    kw = dict(initial_state=inp["initial_state"].transpose(-1, -2).contiguous(), output_final_state=True,
+              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+              safe_gate=True, lower_bound=-5.0, cu_seqlens=inp["cu_seqlens"].long(), A_log=inp["A_log"],
+              dt_bias=inp["dt_bias"].flatten())
+    FB.register()
+    try:
+        with torch.no_grad():
+            o_fla, h_fla = fla_kda.chunk_kda(*args, **kw)
+            o_own, h_own = flashkda.chunk_kda(*args, backend="cuda", **kw)
+    finally:
+        FB.unregister()
+    assert torch.equal(o_fla, o_own) and torch.equal(h_fla, h_own), f"seed {seed_of(gen)}"
+
+
 def test_cuda_size_limits_are_argument_errors():
     """More heads than one grid dimension holds is reported by validation (naming q), before any
     kernel runs, not by the launcher after earlier kernels of the call have written."""

@@ -1,0 +1,129 @@
+"""Checks of flashkda.fla_backend inside fla's own chunk_kda dispatch, run by test_fla_backend.py in a
+subprocess whose path holds fla (build/fla-site), so that the main test process stays without fla.
+
+On CPU tensors the registered backend serves fla's calls with flashkda's reference (register(backend=
+"reference")): what is checked is the wiring (fla's arguments reach flashkda.chunk_kda unchanged, its
+return value comes back, calls flashkda cannot serve go on to fla's next backend), not the kernels.
+Prints "ok <check>" per check; any failure raises.
+"""
+
+import inspect
+import os
+import sys
+
+import torch
+
+import flashkda
+import flashkda.backend as FBK
+import flashkda.fla_backend as FB
+from kda_helpers import make_inputs
+
+import fla.backends as fla_backends  # noqa: E402  (after flashkda: the order engines import them in)
+from fla.ops.kda import chunk_kda as fla_chunk_kda  # noqa: E402
+
+
+def registry():
+    return fla_backends._function_registries[inspect.unwrap(fla_chunk_kda)]
+
+
+def kimi_call(state_v_first=False, with_state=True, lens=(5, 70, 0, 64)):
+    gen = torch.Generator().manual_seed(7)
+    inp = make_inputs(list(lens), H=2, D=64, generator=gen, with_initial_state=with_state)
+    h0 = inp["initial_state"]
+    if h0 is not None and not state_v_first:
+        h0 = h0.transpose(-1, -2).contiguous()  # fla's [N, H, K, V]
+    args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"])
+    kw = dict(initial_state=h0, output_final_state=with_state, use_qk_l2norm_in_kernel=True,
+              use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0,
+              state_v_first=state_v_first, cu_seqlens=inp["cu_seqlens"].long(), A_log=inp["A_log"],
+              dt_bias=inp["dt_bias"].flatten())
+    return args, kw
+
+
+def check_registration():
+    FB.register(backend="reference")
+    FB.register(backend="reference")  # again: replaces, one entry
+    order = [(b.backend_type, b.priority) for b in registry()._get_sorted_backends()]
+    assert [t for t, _ in order].count("flashkda") == 1, order
+    assert order[0] == ("flashkda", 2), order
+    assert FB.registered()
+    if any(t == "flash_kda" for t, _ in order):  # fla's own FlashKDA backend (MoonshotAI's package)
+        assert [t for t, _ in order].index("flashkda") < [t for t, _ in order].index("flash_kda"), order
+    print("ok registration")
+
+
+def check_same_results():
+    for state_v_first, with_state in ((False, True), (True, True), (False, False)):
+        args, kw = kimi_call(state_v_first, with_state)
+        with torch.no_grad():
+            o_fla, h_fla = fla_chunk_kda(*args, **kw)
+            o_own, h_own = flashkda.chunk_kda(*args, backend="reference", **kw)
+        assert torch.equal(o_fla, o_own)
+        if with_state:
+            assert h_fla.shape == h_own.shape and torch.equal(h_fla, h_own)
+        else:
+            assert h_fla is None and h_own is None
+    # Positional arguments in fla's order (scale, initial_state, output_final_state, ...).
+    args, kw = kimi_call()
+    with torch.no_grad():
+        o_pos, h_pos = fla_chunk_kda(*args, 0.125, kw["initial_state"], True, True, True, True, False, True, -5.0,
+                                     cu_seqlens=kw["cu_seqlens"], A_log=kw["A_log"], dt_bias=kw["dt_bias"])
+        o_kw, h_kw = flashkda.chunk_kda(*args, backend="reference", **dict(kw, scale=0.125))
+    assert torch.equal(o_pos, o_kw) and torch.equal(h_pos, h_kw)
+    print("ok same results")
+
+
+def check_declines():
+    be = registry()._backends["flashkda"]
+    args, kw = kimi_call()
+    ok, why = be.verify("chunk_kda", *args, **kw)
+    assert ok and why is None, why
+    q32 = args[0].float()
+    ok, why = be.verify("chunk_kda", q32, *args[1:], **kw)
+    assert not ok and "bfloat16" in why, why
+    ok, why = be.verify("chunk_kda", *args, **dict(kw, return_intermediate_states=True))
+    assert not ok and "return_intermediate_states" in why, why
+    qg = args[0].clone().requires_grad_(True)
+    with torch.enable_grad():
+        ok, why = be.verify("chunk_kda", qg, *args[1:], **kw)
+    assert not ok and "backward" in why, why
+    v_grouped = torch.cat([args[2], args[2]], dim=2)  # HV = 2 H
+    ok, why = be.verify("chunk_kda", args[0], args[1], v_grouped, *args[3:], **kw)
+    assert not ok and "grouped value heads" in why, why
+    token = FBK._FLA_SELF_CALL.set(True)  # flashkda's own call of fla (backend="triton")
+    try:
+        ok, why = be.verify("chunk_kda", *args, **kw)
+    finally:
+        FBK._FLA_SELF_CALL.reset(token)
+    assert not ok and "backend='triton'" in why, why
+    # A bad argument is a decline (fla catches it and goes on), not an exception out of fla's loop.
+    ok, why = be.verify("chunk_kda", *args, **dict(kw, not_an_argument=1))
+    assert not ok and "not_an_argument" in why, why
+    print("ok declines")
+
+
+def check_switches():
+    be = registry()._backends["flashkda"]
+    os.environ["FLA_FLASHKDA"] = "0"
+    assert not be.is_enabled()
+    del os.environ["FLA_FLASHKDA"]
+    assert be.is_enabled()
+    for bad in (dict(backend="triton"), dict(backend="auto"), dict(priority="2"), dict(priority=True)):
+        try:
+            FB.register(**bad)
+        except ValueError as e:
+            assert "argument" in str(e), e
+        else:
+            raise AssertionError(f"register({bad}) did not raise")
+    FB.unregister()
+    assert not FB.registered()
+    FB.unregister()  # absent: no-op
+    print("ok switches")
+
+
+if __name__ == "__main__":
+    check_registration()
+    check_same_results()
+    check_declines()
+    check_switches()
+    sys.exit(0)

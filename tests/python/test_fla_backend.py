@@ -1,0 +1,53 @@
+"""flashkda.fla_backend: flashkda registered as a backend of fla's own chunk_kda dispatch (fla >= 0.6).
+
+The dispatch checks run in a subprocess (fla_dispatch_check.py) whose path holds fla from
+build/fla-site (scripts/install_deps.sh installs it there, pinned in requirements-fla.txt), so this
+process, and every other test, sees a machine without fla.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+import flashkda.fla_backend as FB
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FLA_SITE = os.environ.get("FLASHKDA_FLA_SITE", os.path.join(HERE, "..", "..", "build", "fla-site"))
+
+
+def _fla_importable() -> bool:
+    try:
+        return importlib.util.find_spec("fla") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@pytest.mark.skipif(_fla_importable(), reason="fla is installed in this environment")
+def test_register_without_fla_says_so():
+    with pytest.raises(RuntimeError, match=r"fla \(flash-linear-attention >= 0\.6, `pip install fla-core`\) "
+                                           r"could not be imported"):
+        FB.register()
+
+
+def test_register_refuses_bad_arguments_before_importing_fla():
+    with pytest.raises(ValueError, match=r"argument 'backend' must be one of \('cuda', 'reference'\), got 'triton'"):
+        FB.register(backend="triton")
+    with pytest.raises(ValueError, match=r"argument 'priority' must be an int, got 1\.5"):
+        FB.register(priority=1.5)
+
+
+def test_fla_dispatch_runs_flashkda():
+    if not os.path.isfile(os.path.join(FLA_SITE, "fla", "backends.py")):
+        pytest.skip(f"no fla >= 0.6 at {FLA_SITE} (scripts/test.sh installs it there)")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([FLA_SITE, HERE] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.pop("FLA_FLASHKDA", None)
+    env.pop("FLASHKDA_BACKEND", None)
+    r = subprocess.run([sys.executable, os.path.join(HERE, "fla_dispatch_check.py")], env=env, cwd=HERE,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr[-4000:]}"
+    for check in ("registration", "same results", "declines", "switches"):
+        assert f"ok {check}" in r.stdout, r.stdout
