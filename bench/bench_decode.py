@@ -39,7 +39,7 @@ import flashkda  # noqa: E402
 from flashkda import reference as ref  # noqa: E402
 from flashkda.timing import cuda_graph_times_us  # noqa: E402
 
-import bench_prefill as bp  # noqa: E402  (copy_bandwidth, kernel_times, time_profiler, git_commit)
+import bench_prefill as bp  # noqa: E402  (copy_bandwidth, kernel_times, ...; sets FLA_DISABLE_BACKEND_DISPATCH)
 
 H_DEFAULT = 16
 D = 128
@@ -236,7 +236,8 @@ def collect_meta(bw, fla_ok, args):
         import fla
         fla_version = getattr(fla, "__version__", "unknown")
     return dict(bp.run_meta(), l2_bytes=getattr(props, "L2_cache_size", None), copy_bandwidth_TBps=bw / 1e12,
-                fla=fla_version, H=args.H, D=D, layout=args.layout, iters=args.iters, lower_bound=LOWER_BOUND)
+                fla=fla_version, fla_backend_dispatch=os.environ.get("FLA_DISABLE_BACKEND_DISPATCH") != "1",
+                H=args.H, D=D, layout=args.layout, iters=args.iters, lower_bound=LOWER_BOUND)
 
 
 def select_cases(spec):

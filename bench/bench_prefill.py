@@ -23,9 +23,14 @@ import sys
 
 import torch
 
-import flashkda
-from flashkda import reference as ref
-from flashkda.timing import (cuda_graph_kernel_times_us, cuda_graph_times_us, memory_floor_bytes,
+# The baseline is fla's own Triton path: fla 0.6 would otherwise hand chunk_kda to a registered backend
+# (MoonshotAI's flash_kda when installed, or flashkda itself through flashkda.fla_backend).  fla reads
+# this once, at its import.
+os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
+
+import flashkda  # noqa: E402
+from flashkda import reference as ref  # noqa: E402
+from flashkda.timing import (cuda_graph_kernel_times_us, cuda_graph_times_us, memory_floor_bytes,  # noqa: E402
                              profiled_kernel_times_us)
 
 CASES = [
@@ -293,6 +298,7 @@ def main():
     if have_fla:
         import fla
         meta["fla"] = getattr(fla, "__version__", "unknown")
+        meta["fla_backend_dispatch"] = os.environ.get("FLA_DISABLE_BACKEND_DISPATCH") != "1"
     num = numerics(have_fla)
     print("numerics ([300,17,64,131], H4):", json.dumps(num))
     rows = []
