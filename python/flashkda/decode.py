@@ -46,7 +46,7 @@ import torch
 
 from . import host_checks
 from . import reference as _reference
-from .backend import Selection, fla_function, select_backend
+from .backend import Selection, call_fla, select_backend
 from .ops import _check_no_grad, _new_out, _op_options, new_decode_workspace
 
 __all__ = ["decode", "explain_decode"]
@@ -206,7 +206,6 @@ def _triton_decode(q, k, v, g, beta, state_pool, ssm_state_indices, out, *, num_
     the final states back (a host synchronisation: the live rows are selected by value)."""
     _check_fallback(q, k, v, g, beta, state_pool, ssm_state_indices, out, num_accepted_tokens=num_accepted_tokens,
                     cu_seqlens=cu_seqlens, scale=scale, token_rows=token_rows)
-    fla_fused_recurrent_kda = fla_function("decode")
     idx = ssm_state_indices.to(dtype=torch.long)
     N = idx.shape[0]
     if N == 0:
@@ -216,8 +215,8 @@ def _triton_decode(q, k, v, g, beta, state_pool, ssm_state_indices, out, *, num_
     h0 = state_pool.index_select(0, idx.clamp(min=0)).float()
     h0 = torch.where(live[:, None, None, None], h0, torch.zeros_like(h0))
     gated = gate_mode != "precomputed"
-    o, ht = fla_fused_recurrent_kda(
-        qq, kk, vv, gg, bb,
+    o, ht = call_fla(
+        "decode", qq, kk, vv, gg, bb,
         A_log=A_log if gated else None,
         dt_bias=dt_bias.reshape(-1) if gated and dt_bias is not None else None,
         scale=float(scale) if scale else None,  # flashkda's 0 (like None) is K^-0.5; fla's is None

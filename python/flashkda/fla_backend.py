@@ -24,6 +24,19 @@ that already calls fla gets flashkda's sm_90a kernels for every call they serve,
 * ``flashkda.chunk_kda(..., backend="triton")`` keeps meaning fla's own kernels: the verifier declines
   calls that flashkda itself makes to fla (:func:`flashkda.backend.call_fla`).
 
+Decode: fla's serving entry ``fla.ops.kda.fused_recurrent.fused_recurrent_kda_fwd`` (dispatched as
+operation ``"kda"``) on a state pool: ``initial_state`` the pool ``[P, H, V, K]``
+(``state_v_first=True``), ``inplace_final_state=True``, ``ssm_state_indices`` 1-D ``[N]`` or 2-D
+``[N, S]`` with ``num_accepted_tokens``.  Those calls run :func:`flashkda.decode` (the same reads and
+writes of the pool; a negative index is padding, where fla's kernel would read before the pool), and
+return ``(out, initial_state)`` as fla does.  Declined: fla's other modes (no indices, per-sequence
+initial / final states, ``[K, V]`` pools, 2-D indices without ``num_accepted_tokens``, per-channel
+beta, ``allow_neg_eigval``, the softplus gate without ``A_log``), 1-D indices in the fixed layout with
+T > 1 (fla then writes the states of a request's later tokens to the slots that follow its own;
+flashkda writes the last one to its own slot: with 1-D indices flashkda serves one token a request,
+and varlen calls are taken as such), and whatever ``flashkda.decode(..., backend="cuda")`` does not
+serve.
+
 Nothing here is imported by ``import flashkda``: fla is imported only by :func:`register`.
 """
 
@@ -32,7 +45,11 @@ from __future__ import annotations
 import inspect
 from typing import Optional, Tuple
 
+import torch
+
 from . import chunk as _chunk
+from .decode import _select as _decode_select
+from .decode import decode as _flashkda_decode
 from .backend import in_fla_self_call
 
 __all__ = ["BACKEND_TYPE", "ENV_VAR", "register", "unregister", "registered"]
@@ -41,6 +58,7 @@ BACKEND_TYPE = "flashkda"
 ENV_VAR = "FLA_FLASHKDA"
 _SERVING = ("cuda", "reference")  # flashkda backends that may serve fla's calls ("auto" could call fla back)
 _SIGNATURE = inspect.signature(_chunk.chunk_kda)
+_DECODE_OPERATION = "kda"  # fla registers fused_recurrent_kda_fwd's backends under this operation name
 
 
 def _fla():
@@ -48,6 +66,7 @@ def _fla():
     try:
         from fla import backends as fla_backends
         from fla.ops.kda import chunk_kda as fla_chunk_kda
+        import fla.ops.kda.fused_recurrent  # noqa: F401  (creates the "kda" operation's registry)
     except Exception as e:  # noqa: BLE001 (any import failure: fla missing, triton missing, ...)
         raise RuntimeError(f"flashkda.fla_backend: fla (flash-linear-attention >= 0.6, `pip install fla-core`) "
                            f"could not be imported: {type(e).__name__}: {e}") from e
@@ -68,6 +87,88 @@ def _judge(serving: str, args, kwargs) -> Tuple[bool, Optional[str]]:
     a = bound.arguments
     sel = _chunk._select(a["q"], a["k"], a["v"], a["g"], a["beta"], a["A_log"], a["dt_bias"], a["initial_state"],
                          a["return_intermediate_states"], a["cp_context"], a["kwargs"], serving)
+    if sel.backend == serving:
+        return True, None
+    return False, sel.reasons.get(serving) or f"flashkda backend {serving!r} cannot serve the call"
+
+
+def _fla_decode_signature(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, scale=None,
+                          output_final_state=False, inplace_final_state=True, state_v_first=False, cu_seqlens=None,
+                          ssm_state_indices=None, num_accepted_tokens=None, use_qk_l2norm_in_kernel=False,
+                          use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                          lower_bound=None, out=None, **kwargs):
+    """fla 0.6's fused_recurrent_kda_fwd signature (bound to read a call's arguments)."""
+
+
+_DECODE_SIGNATURE = inspect.signature(_fla_decode_signature)
+
+
+def _decode_call(args, kwargs):
+    """(flashkda.decode's arguments, why flashkda cannot take the call) for one fused_recurrent_kda_fwd call."""
+    bound = _DECODE_SIGNATURE.bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    extra = sorted(key for key in a["kwargs"] if key != "backend")
+    idx, acc = a["ssm_state_indices"], a["num_accepted_tokens"]
+    why = []
+    if idx is None or a["initial_state"] is None or not a["inplace_final_state"]:
+        why.append("only the state-pool mode is served (ssm_state_indices, initial_state the pool, "
+                   "inplace_final_state=True)")
+    if not a["state_v_first"]:
+        why.append("only V-first pools [P, H, V, K] are served (state_v_first=True)")
+    if a["allow_neg_eigval"]:
+        why.append("allow_neg_eigval=True is not implemented")
+    if extra:
+        why.append(f"unsupported keyword argument(s) {extra}")
+    beta, q = a["beta"], a["q"]
+    if hasattr(beta, "dim") and hasattr(q, "dim") and beta.dim() != q.dim() - 1:
+        why.append("per-channel beta [B, T, H, V] is not implemented")
+    if hasattr(idx, "dim"):
+        if idx.dim() == 2 and acc is None:
+            why.append("2-D ssm_state_indices without num_accepted_tokens (fla reads slot 0) is not served")
+        if idx.dim() == 1 and acc is not None:
+            why.append("num_accepted_tokens with 1-D ssm_state_indices is not served")
+        if idx.dim() == 1 and a["cu_seqlens"] is None and hasattr(q, "shape") and len(q.shape) == 4 \
+                and q.shape[1] > 1:
+            why.append("1-D ssm_state_indices with T > 1 tokens a request: fla writes the later tokens' states "
+                       "to the following slots, flashkda the last state to the request's own slot")
+    if a["use_gate_in_kernel"]:
+        if a["lower_bound"] is not None:
+            gate_mode, lower_bound = "bounded", float(a["lower_bound"])
+        else:
+            gate_mode, lower_bound = "softplus", -5.0
+            if a["A_log"] is None:
+                why.append("the softplus gate without A_log (fla then uses -e softplus) is not served")
+    else:
+        gate_mode, lower_bound = "precomputed", -5.0
+    call = None
+    if not why:
+        H, K = q.shape[2], q.shape[3]
+        A_log, dt_bias = a["A_log"], a["dt_bias"]
+        if gate_mode != "precomputed":
+            A_log = torch.zeros(H, dtype=torch.float32, device=q.device) if A_log is None else A_log.float()
+            dt_bias = (torch.zeros(H, K, dtype=torch.float32, device=q.device) if dt_bias is None
+                       else dt_bias.float().reshape(H, K))
+        else:
+            A_log = dt_bias = None
+        call = dict(args=(a["q"], a["k"], a["v"], a["g"], a["beta"], a["initial_state"], idx, a["out"]),
+                    kwargs=dict(num_accepted_tokens=acc, cu_seqlens=a["cu_seqlens"], scale=a["scale"],
+                                gate_mode=gate_mode, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                                use_qk_l2norm=bool(a["use_qk_l2norm_in_kernel"]),
+                                use_beta_sigmoid=bool(a["use_beta_sigmoid_in_kernel"])))
+    return call, "; ".join(why)
+
+
+def _judge_decode(serving: str, args, kwargs) -> Tuple[bool, Optional[str]]:
+    """(accepted, why not) for one call of fla's fused_recurrent_kda_fwd, served by flashkda backend `serving`."""
+    if in_fla_self_call():
+        return False, "flashkda.decode(backend='triton') asked for fla's own kernels"
+    call, why = _decode_call(args, kwargs)
+    if why:
+        return False, why
+    q, k, v, g, beta, pool, idx, _ = call["args"]
+    kw = call["kwargs"]
+    sel = _decode_select(q, k, v, g, beta, kw["A_log"], kw["dt_bias"], pool, idx, serving)
     if sel.backend == serving:
         return True, None
     return False, sel.reasons.get(serving) or f"flashkda backend {serving!r} cannot serve the call"
@@ -105,27 +206,42 @@ def register(priority: int = 2, backend: str = "cuda") -> None:
             kwargs = {key: value for key, value in kwargs.items() if key != "backend"}
             return _chunk.chunk_kda(*args, backend=serving, **kwargs)
 
+        def fused_recurrent_kda_fwd_verifier(self, *args, **kwargs):
+            return _judge_decode(serving, args, kwargs)
+
+        def fused_recurrent_kda_fwd(self, *args, **kwargs):
+            call, why = _decode_call(args, kwargs)
+            if why:  # the verifier accepted it: only a call made around fla's dispatch lands here
+                raise NotImplementedError(f"flashkda.fla_backend: {why}")
+            out = _flashkda_decode(*call["args"], backend=serving, **call["kwargs"])
+            return out, call["args"][5]  # (out, the pool updated in place), as fla returns
+
     FlashKDABackend.priority = priority
     fla_backends.register(fla_chunk_kda)(FlashKDABackend)
+    fla_backends.register(_DECODE_OPERATION)(FlashKDABackend)
 
 
-def _registry():
+def _registries():
+    """fla's two registries flashkda registers in: chunk_kda's and the "kda" operation's."""
     fla_backends, fla_chunk_kda = _fla()
-    registries = getattr(fla_backends, "_function_registries", None)
-    registry = registries.get(inspect.unwrap(fla_chunk_kda)) if isinstance(registries, dict) else None
-    if registry is None or not isinstance(getattr(registry, "_backends", None), dict):
+    functions = getattr(fla_backends, "_function_registries", None)
+    operations = getattr(fla_backends, "_operation_registries", None)
+    found = [functions.get(inspect.unwrap(fla_chunk_kda)) if isinstance(functions, dict) else None,
+             operations.get(_DECODE_OPERATION) if isinstance(operations, dict) else None]
+    if any(r is None or not isinstance(getattr(r, "_backends", None), dict) for r in found):
         raise RuntimeError("flashkda.fla_backend: this fla keeps its backends where flashkda cannot find them; "
                            f"set {ENV_VAR}=0 to disable flashkda's backend instead")
-    return registry
+    return found
 
 
 def registered() -> bool:
-    """Whether flashkda is among the backends of fla's chunk_kda in this process."""
-    return BACKEND_TYPE in _registry()._backends
+    """Whether flashkda is among the backends of fla's chunk_kda (and of its decode entry) in this process."""
+    return all(BACKEND_TYPE in r._backends for r in _registries())
 
 
 def unregister() -> None:
-    """Removes flashkda from the backends of fla's chunk_kda (no-op when absent).  fla has no public
-    call for this: it uses fla's registry (``fla.backends``), and raises ``RuntimeError`` if that
-    moved (``FLA_FLASHKDA=0`` disables the backend through fla's own switch)."""
-    _registry()._backends.pop(BACKEND_TYPE, None)
+    """Removes flashkda from fla's backends (no-op when absent).  fla has no public call for this: it
+    uses fla's registries (``fla.backends``), and raises ``RuntimeError`` if they moved
+    (``FLA_FLASHKDA=0`` disables the backend through fla's own switch)."""
+    for r in _registries():
+        r._backends.pop(BACKEND_TYPE, None)

@@ -102,6 +102,76 @@ def check_declines():
     print("ok declines")
 
 
+def decode_registry():
+    return fla_backends._operation_registries["kda"]
+
+
+def decode_call(spec=False, lens=None, N=5, T=1, P=16, seed=3):
+    """fla's fused_recurrent_kda_fwd arguments for a state-pool call (V-first pool, in place)."""
+    gen = torch.Generator().manual_seed(seed)
+    inp = make_inputs(lens, B=N, T=T, H=2, D=64, generator=gen, with_initial_state=False)
+    n = len(lens) if lens is not None else N
+    pool = 0.1 * torch.randn(P, 2, 64, 64, generator=gen)
+    perm = torch.randperm(P, generator=gen)
+    if spec:
+        S = max(lens) if lens is not None else T
+        idx = perm[:n * S].view(n, S).to(torch.int32)
+        acc = torch.randint(1, S + 1, (n,), generator=gen, dtype=torch.int32)
+    else:
+        idx, acc = perm[:n].to(torch.int64), None
+        idx[1] = -1  # a padded request (flashkda: zero output, no state touched)
+    kw = dict(q=inp["q"], k=inp["k"], v=inp["v"], g=inp["g"], beta=inp["beta"], A_log=inp["A_log"],
+              dt_bias=inp["dt_bias"].flatten(), initial_state=pool, inplace_final_state=True, state_v_first=True,
+              cu_seqlens=None if lens is None else inp["cu_seqlens"].long(), ssm_state_indices=idx,
+              num_accepted_tokens=acc, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+              use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
+    return kw
+
+
+def check_decode():
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    order = [b.backend_type for b in decode_registry()._get_sorted_backends() if b.is_available()]
+    assert order.count("flashkda") == 1 and order[0] == "flashkda", order  # (triton_ascend: NPUs only)
+    for spec, lens, T in ((False, None, 1), (True, None, 3), (False, [1, 0, 1, 1], 1), (True, [2, 3, 1], 1)):
+        kw = decode_call(spec=spec, lens=lens, T=T)
+        pool = kw["initial_state"]
+        own_pool, before = pool.clone(), pool.clone()
+        with torch.no_grad():
+            o_fla, ht = fused_recurrent_kda_fwd(**kw)
+            o_own = flashkda.decode(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], own_pool, kw["ssm_state_indices"],
+                                    num_accepted_tokens=kw["num_accepted_tokens"], cu_seqlens=kw["cu_seqlens"],
+                                    A_log=kw["A_log"], dt_bias=kw["dt_bias"].view(2, 64), lower_bound=-5.0,
+                                    backend="reference")
+        assert ht is pool, "fla's in-place contract: the pool is the final state"
+        assert torch.equal(o_fla, o_own) and torch.equal(pool, own_pool), (spec, lens, T)
+        assert not torch.equal(pool, before), "no state was written"
+    be = decode_registry()._backends["flashkda"]
+    kw = decode_call()
+    assert be.verify("fused_recurrent_kda_fwd", **kw) == (True, None)
+    declines = {
+        "state-pool mode": dict(kw, ssm_state_indices=None),
+        "inplace_final_state": dict(kw, inplace_final_state=False),
+        "V-first": dict(kw, state_v_first=False),
+        "without num_accepted_tokens": dict(decode_call(spec=True, T=2), num_accepted_tokens=None),
+        "T > 1": decode_call(T=2),
+        "allow_neg_eigval": dict(kw, allow_neg_eigval=True),
+        "per-channel beta": dict(kw, beta=kw["v"].float()),
+        "softplus gate without A_log": dict(kw, lower_bound=None, A_log=None),
+        "bfloat16": dict(kw, q=kw["q"].float()),
+        "unsupported keyword": dict(kw, not_an_argument=1),
+    }
+    for what, bad in declines.items():
+        ok, why = be.verify("fused_recurrent_kda_fwd", **bad)
+        assert not ok and what in why, (what, why)
+    token = FBK._FLA_SELF_CALL.set(True)
+    try:
+        ok, why = be.verify("fused_recurrent_kda_fwd", **kw)
+    finally:
+        FBK._FLA_SELF_CALL.reset(token)
+    assert not ok and "backend='triton'" in why, why
+    print("ok decode")
+
+
 def check_switches():
     be = registry()._backends["flashkda"]
     os.environ["FLA_FLASHKDA"] = "0"
@@ -125,5 +195,6 @@ if __name__ == "__main__":
     check_registration()
     check_same_results()
     check_declines()
+    check_decode()
     check_switches()
     sys.exit(0)

@@ -442,7 +442,7 @@ def test_decode_triton_path(monkeypatch, case):
               token_rows=token_rows)
 
     monkeypatch.setattr(FD, "select_backend", _triton_selected)
-    monkeypatch.setattr(FD, "fla_function", lambda kind: _fake_fused_recurrent_kda)
+    monkeypatch.setattr(FB, "fla_function", lambda kind: _fake_fused_recurrent_kda)
     p1, p2 = pool.clone(), pool.clone()
     o1 = torch.full(out_shape, 7.0, dtype=BF16)
     o2 = o1.clone()
@@ -488,7 +488,7 @@ def test_decode_triton_path_scale(monkeypatch):
         return _fake_fused_recurrent_kda(*a, scale=scale, **k)
 
     monkeypatch.setattr(FD, "select_backend", _triton_selected)
-    monkeypatch.setattr(FD, "fla_function", lambda kind: recording_fla)
+    monkeypatch.setattr(FB, "fla_function", lambda kind: recording_fla)
     pool = args[5]
     before = pool.clone()
     out = torch.full((1, 3, 2, 64), 7.0, dtype=BF16)

@@ -375,6 +375,7 @@ def test_decode_check_says_what_decode_says(mutate):
 
 
 FD = importlib.import_module("flashkda.decode")  # (the attribute flashkda.decode is the function)
+FB = importlib.import_module("flashkda.backend")
 # The paths that run CUDA tensors without the op (backend "reference": the float64 PyTorch reference;
 # "triton": fla's fused_recurrent_kda) check what the op checks, in its words, except what they do
 # not need: they take any floating dtype and any strides, and the gate is the reference's own.
@@ -393,7 +394,7 @@ def test_decode_fallback_paths_check_like_the_op(monkeypatch, path, mutate):
     args = (a["q"], a["k"], a["v"], a["g"], a["beta"])
     with pytest.raises(ValueError) as op_error:
         torch.ops.flashkda.decode(*args, out, pool, a["ssm_state_indices"], **kw)
-    monkeypatch.setattr(FD, "fla_function", lambda kind: pytest.fail("fla reached with invalid arguments"))
+    monkeypatch.setattr(FB, "fla_function", lambda kind: pytest.fail("fla reached with invalid arguments"))
     opts = dict(num_accepted_tokens=None, cu_seqlens=None, scale=None, gate_mode="bounded", lower_bound=-5.0,
                 use_qk_l2norm=True, use_beta_sigmoid=True, token_rows=None)
     opts.update(kw)

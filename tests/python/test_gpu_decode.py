@@ -545,6 +545,38 @@ def test_tokens_without_requests_are_an_argument_error(gen):
     assert torch.equal(pool, before) and torch.isnan(out.float()).all()
 
 
+@pytest.mark.parametrize("spec", [False, True], ids=["plain", "spec"])
+def test_fla_dispatch_runs_the_decode_kernel(gen, spec):
+    """flashkda.fla_backend.register(): fla's serving decode entry (fused_recurrent_kda_fwd on a V-first
+    pool, in place) runs flashkda's decode, bit for bit what flashkda.decode(backend="cuda") does, and
+    returns (out, the pool).  Skipped without fla."""
+    fr = pytest.importorskip("fla.ops.kda.fused_recurrent")
+    import flashkda.fla_backend as FLB
+    N, T, H, D, P = 40, 4 if spec else 1, 16, 128, 200
+    inp = tokens(gen, N=N, T=T, H=H, D=D)
+    pool = new_pool(gen, P, H, D)
+    if spec:
+        idx, acc = spec_indices(gen, N, T, P)
+        idx, acc = idx.to(DEV), acc.to(DEV)
+    else:
+        idx, acc = perm(gen, P)[:N].to(DEV), None
+    own_pool = pool.clone()
+    FLB.register()
+    try:
+        with torch.no_grad():
+            o_fla, ht = fr.fused_recurrent_kda_fwd(
+                q=inp["q"], k=inp["k"], v=inp["v"], g=inp["g"], beta=inp["beta"], A_log=inp["A_log"],
+                dt_bias=inp["dt_bias"].flatten(), initial_state=pool, inplace_final_state=True, state_v_first=True,
+                ssm_state_indices=idx, num_accepted_tokens=acc, use_qk_l2norm_in_kernel=True,
+                use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
+    finally:
+        FLB.unregister()
+    o_own = run_decode(inp, own_pool, idx, acc)
+    torch.cuda.synchronize()
+    assert ht is pool
+    assert torch.equal(o_fla, o_own) and torch.equal(pool, own_pool), f"seed {seed_of(gen)}"
+
+
 # ---------------------------------------------------------------------------------------------
 # token_rows: logical token t reads / writes row token_rows[t] of dim 1
 
