@@ -15,6 +15,9 @@
 # build; a variant whose tests fail is dropped from the timed rounds), so that one call can check and
 # time prepared changes (base, main itself, is not tested again unless TEST_BASE=1):
 #   TESTS=1 PYTEST_PATHS="tests/python/test_gpu.py" VARIANTS="walk-u" ROUNDS=2 bash scripts/ab_bench.sh
+# With wheels under .whl/ (carried: pip download --no-deps -d .whl -r requirements-fla.txt) the tests
+# also see fla (installed into /tmp/ab_fla), so the GPU tests of flashkda.fla_backend run; the timed
+# rounds never import it.
 # SANITIZE_VARIANTS (a subset of VARIANTS) adds memcheck and racecheck of sanitize_case.py per variant.
 #   FLASHKDA_COMMIT=<sha of the tree> VARIANTS="old_walk" CASES=0,3 ROUNDS=3 ITERS=30 bash scripts/ab_bench.sh
 # (FLASHKDA_COMMIT goes into each JSON's meta.commit, "+ab/<variant>" for the overlays; without it
@@ -77,6 +80,13 @@ for v in $names; do
   echo "built $v: $(( $(date +%s) - t0 )) s"
 done
 if [ "${TESTS:-0}" = 1 ]; then
+  fla_path=""
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    rm -rf /tmp/ab_fla
+    if python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/ab_fla .whl/*.whl; then
+      fla_path=":/tmp/ab_fla"; echo "tests see fla from .whl/: $(ls .whl | tr '\n' ' ')"
+    fi
+  fi
   kept=""
   for v in $names; do
     # base is main as it stands, tested on its own (TEST_BASE=1 tests it here too)
@@ -84,7 +94,8 @@ if [ "${TESTS:-0}" = 1 ]; then
     # TEST_VARIANTS (default: every variant) limits the tests to the variants named there
     if [ -n "${TEST_VARIANTS:-}" ] && [[ " $TEST_VARIANTS " != *" $v "* ]]; then kept="$kept $v"; continue; fi
     echo "== GPU tests of $v (${PYTEST_PATHS:-tests/python/test_gpu.py})"
-    if (cd "/tmp/ab_src/$v" && PYTHONPATH="/tmp/ab_site/$v:/tmp/ab_src/$v/tests/python" timeout "${PYTEST_TIMEOUT:-300}" \
+    if (cd "/tmp/ab_src/$v" && PYTHONPATH="/tmp/ab_site/$v:/tmp/ab_src/$v/tests/python$fla_path" \
+          timeout "${PYTEST_TIMEOUT:-300}" \
           python3 -m pytest -m gpu ${PYTEST_PATHS:-tests/python/test_gpu.py} -q -x --maxfail=3 -p no:cacheprovider 2>&1 | tail -15); then
       kept="$kept $v"
     else
