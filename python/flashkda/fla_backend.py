@@ -77,6 +77,14 @@ def _fla():
     return fla_backends, fla_chunk_kda
 
 
+def _scale_problem(scale) -> str:
+    """fla uses any scale as given; flashkda reads 0 as K^-0.5 and refuses negative ones: only None and
+    positive scales mean the same to both."""
+    if scale is None or _chunk._positive_finite(scale):
+        return ""
+    return f"scale {scale!r}: flashkda serves None (K^-0.5) or a finite scale > 0"
+
+
 def _judge(serving: str, args, kwargs) -> Tuple[bool, Optional[str]]:
     """(accepted, why not) for one call of fla's chunk_kda, served by flashkda backend `serving`."""
     if in_fla_self_call():
@@ -85,6 +93,8 @@ def _judge(serving: str, args, kwargs) -> Tuple[bool, Optional[str]]:
     bound = _SIGNATURE.bind(*args, **kwargs)
     bound.apply_defaults()
     a = bound.arguments
+    if _scale_problem(a["scale"]):
+        return False, _scale_problem(a["scale"])
     sel = _chunk._select(a["q"], a["k"], a["v"], a["g"], a["beta"], a["A_log"], a["dt_bias"], a["initial_state"],
                          a["return_intermediate_states"], a["cp_context"], a["kwargs"], serving)
     if sel.backend == serving:
@@ -120,6 +130,8 @@ def _decode_call(args, kwargs):
         why.append("allow_neg_eigval=True is not implemented")
     if extra:
         why.append(f"unsupported keyword argument(s) {extra}")
+    if _scale_problem(a["scale"]):
+        why.append(_scale_problem(a["scale"]))
     beta, q = a["beta"], a["q"]
     if hasattr(beta, "dim") and hasattr(q, "dim") and beta.dim() != q.dim() - 1:
         why.append("per-channel beta [B, T, H, V] is not implemented")

@@ -96,6 +96,9 @@ def check_declines():
     finally:
         FBK._FLA_SELF_CALL.reset(token)
     assert not ok and "backend='triton'" in why, why
+    for scale in (0.0, -0.5, float("nan")):  # fla would use these as given; flashkda reads 0 as K^-0.5
+        ok, why = be.verify("chunk_kda", *args, **dict(kw, scale=scale))
+        assert not ok and "scale" in why, why
     # A bad argument is a decline (fla catches it and goes on), not an exception out of fla's loop.
     ok, why = be.verify("chunk_kda", *args, **dict(kw, not_an_argument=1))
     assert not ok and "not_an_argument" in why, why
@@ -159,6 +162,7 @@ def check_decode():
         "softplus gate without A_log": dict(kw, lower_bound=None, A_log=None),
         "bfloat16": dict(kw, q=kw["q"].float()),
         "unsupported keyword": dict(kw, not_an_argument=1),
+        "scale 0.0": dict(kw, scale=0.0),
     }
     for what, bad in declines.items():
         ok, why = be.verify("fused_recurrent_kda_fwd", **bad)
