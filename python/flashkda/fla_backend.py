@@ -85,6 +85,18 @@ def _scale_problem(scale) -> str:
     return f"scale {scale!r}: flashkda serves None (K^-0.5) or a finite scale > 0"
 
 
+def _lower_bound_problem(use_gate_in_kernel, lower_bound) -> str:
+    """fla computes the bounded gate for any lower_bound; flashkda's kernels for [-5, 0) (the range that
+    keeps their exponents safe)."""
+    if not use_gate_in_kernel or lower_bound is None:
+        return ""
+    try:
+        ok = -5.0 <= float(lower_bound) < 0.0
+    except (TypeError, ValueError):
+        ok = False
+    return "" if ok else f"lower_bound {lower_bound!r}: flashkda serves the bounded gate for lower_bound in [-5, 0)"
+
+
 def _judge(serving: str, args, kwargs) -> Tuple[bool, Optional[str]]:
     """(accepted, why not) for one call of fla's chunk_kda, served by flashkda backend `serving`."""
     if in_fla_self_call():
@@ -93,8 +105,9 @@ def _judge(serving: str, args, kwargs) -> Tuple[bool, Optional[str]]:
     bound = _SIGNATURE.bind(*args, **kwargs)
     bound.apply_defaults()
     a = bound.arguments
-    if _scale_problem(a["scale"]):
-        return False, _scale_problem(a["scale"])
+    problem = _scale_problem(a["scale"]) or _lower_bound_problem(a["use_gate_in_kernel"], a["lower_bound"])
+    if problem:
+        return False, problem
     sel = _chunk._select(a["q"], a["k"], a["v"], a["g"], a["beta"], a["A_log"], a["dt_bias"], a["initial_state"],
                          a["return_intermediate_states"], a["cp_context"], a["kwargs"], serving)
     if sel.backend == serving:
@@ -130,8 +143,9 @@ def _decode_call(args, kwargs):
         why.append("allow_neg_eigval=True is not implemented")
     if extra:
         why.append(f"unsupported keyword argument(s) {extra}")
-    if _scale_problem(a["scale"]):
-        why.append(_scale_problem(a["scale"]))
+    for problem in (_scale_problem(a["scale"]), _lower_bound_problem(a["use_gate_in_kernel"], a["lower_bound"])):
+        if problem:
+            why.append(problem)
     beta, q = a["beta"], a["q"]
     if hasattr(beta, "dim") and hasattr(q, "dim") and beta.dim() != q.dim() - 1:
         why.append("per-channel beta [B, T, H, V] is not implemented")

@@ -99,6 +99,9 @@ def check_declines():
     for scale in (0.0, -0.5, float("nan")):  # fla would use these as given; flashkda reads 0 as K^-0.5
         ok, why = be.verify("chunk_kda", *args, **dict(kw, scale=scale))
         assert not ok and "scale" in why, why
+    for lb in (-10.0, 0.0):  # fla's bounded gate takes any lower_bound without safe_gate; flashkda [-5, 0)
+        ok, why = be.verify("chunk_kda", *args, **dict(kw, safe_gate=False, lower_bound=lb))
+        assert not ok and "lower_bound" in why, why
     # A bad argument is a decline (fla catches it and goes on), not an exception out of fla's loop.
     ok, why = be.verify("chunk_kda", *args, **dict(kw, not_an_argument=1))
     assert not ok and "not_an_argument" in why, why
@@ -163,6 +166,7 @@ def check_decode():
         "bfloat16": dict(kw, q=kw["q"].float()),
         "unsupported keyword": dict(kw, not_an_argument=1),
         "scale 0.0": dict(kw, scale=0.0),
+        "lower_bound -6.0": dict(kw, lower_bound=-6.0),
     }
     for what, bad in declines.items():
         ok, why = be.verify("fused_recurrent_kda_fwd", **bad)
