@@ -22,7 +22,7 @@ How fla's arguments map onto ``torch.ops.flashkda.prefill`` (backends "cuda" and
 
 flashkda's own backends are inference only: what they cannot compute (backward, grouped value
 heads, dtypes other than bf16 for q/k/v, head dims other than 64/128, context parallelism,
-intermediate states, unknown keyword arguments) makes auto use fla when it can, and raises
+intermediate states, fla's padded graph mode, unknown keyword arguments) makes auto use fla when it can, and raises
 ``NotImplementedError`` otherwise; argument errors raise ``ValueError``.
 """
 
@@ -66,9 +66,20 @@ def _positive_finite(x) -> bool:
         return False
 
 
-def _unsupported(return_intermediate_states: bool, cp_context, kwargs: Dict) -> List[str]:
+def _unsupported(return_intermediate_states: bool, cp_context, kwargs: Dict, use_graph: bool = False,
+                 cu_seqlens_cpu=None, tokens: Optional[int] = None) -> List[str]:
     """Why flashkda's own backends (cuda, reference) cannot serve these flags of a chunk_kda call."""
     out = []
+    if use_graph:
+        # fla's graph mode pads cu_seqlens with empty sequences and may end it before the last token
+        # (rows past it left undefined); flashkda's kernels treat cu_seqlens[N] != T as an input error,
+        # recorded on the device in a workspace this wrapper owns: the call would write nothing, silently.
+        out.append("argument 'use_graph=True' (fla's padded fixed-shape varlen mode, where cu_seqlens may end "
+                   "before the last token) is not implemented")
+    if (isinstance(cu_seqlens_cpu, torch.Tensor) and cu_seqlens_cpu.device.type == "cpu" and cu_seqlens_cpu.dim() == 1
+            and cu_seqlens_cpu.numel() > 0 and tokens is not None and int(cu_seqlens_cpu[-1]) != tokens):
+        out.append(f"cu_seqlens_cpu ends at {int(cu_seqlens_cpu[-1])}, not at the {tokens} tokens of q: padded token "
+                   "buffers are not implemented")
     if return_intermediate_states:
         out.append("argument 'return_intermediate_states=True' is not implemented (the kernels keep no "
                    "per-chunk states)")
@@ -82,7 +93,7 @@ def _unsupported(return_intermediate_states: bool, cp_context, kwargs: Dict) -> 
 
 
 def _select(q, k, v, g, beta, A_log, dt_bias, initial_state, return_intermediate_states, cp_context,
-            kwargs, backend, evaluate_all=False) -> Selection:
+            kwargs, backend, evaluate_all=False, use_graph=False, cu_seqlens_cpu=None) -> Selection:
     # The selection reads the tensors' devices, dtypes and shapes: anything else is named here.
     for name, t, layout in (("q", q, "[B, T, H, K]"), ("k", k, "[B, T, H, K]"), ("v", v, "[B, T, H, V]"),
                             ("g", g, "[B, T, H, K]"), ("beta", beta, "[B, T, H]")):
@@ -94,7 +105,8 @@ def _select(q, k, v, g, beta, A_log, dt_bias, initial_state, return_intermediate
         "prefill", q, k, v, backend=backend, fn="chunk_kda",
         tensors={"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
                  "initial_state": initial_state},
-        unsupported=_unsupported(return_intermediate_states, cp_context, kwargs),
+        unsupported=_unsupported(return_intermediate_states, cp_context, kwargs, use_graph, cu_seqlens_cpu,
+                                 q.shape[1] if q.dim() == 4 else None),
         evaluate_all=evaluate_all)
 
 
@@ -133,16 +145,17 @@ def chunk_kda(
     backends); g ``[B, T, H, K]``; beta ``[B, T, H]``; ``initial_state`` ``[N, H, K, V]``
     (``[N, H, V, K]`` if ``state_v_first``); ``cu_seqlens [N + 1]`` for varlen inputs (then B == 1).
     ``A_log [H]`` and ``dt_bias [H * K]`` feed the fused gate (``use_gate_in_kernel=True``).  See the
-    module docstring for the mapping.  ``disable_recompute``, ``cu_seqlens_cpu``, ``use_graph`` and
-    ``max_num_seqs`` have no effect on flashkda's backends: they never synchronise the host and are
-    CUDA-graph safe as they are.
+    module docstring for the mapping.  ``disable_recompute``, ``cu_seqlens_cpu`` and ``max_num_seqs`` have
+    no effect on flashkda's backends (they never synchronise the host and are CUDA-graph safe as they are),
+    except that a host ``cu_seqlens_cpu`` that ends before q's last token is not served; nor is
+    ``use_graph=True`` (fla's padded mode, where ``cu_seqlens`` may end before the last token).
 
     ``backend``: ``None`` / ``"auto"``, ``"cuda"``, ``"triton"`` or ``"reference"`` (module
     :mod:`flashkda.backend`); with ``"triton"`` every argument goes to fla's ``chunk_kda`` unchanged
     and its return value is returned.
     """
     sel = _select(q, k, v, g, beta, A_log, dt_bias, initial_state, return_intermediate_states, cp_context,
-                  kwargs, backend)
+                  kwargs, backend, use_graph=use_graph, cu_seqlens_cpu=cu_seqlens_cpu)
     if sel.backend is None:
         raise sel.error()
     if sel.backend == "triton":
@@ -152,7 +165,8 @@ def chunk_kda(
         if dt_bias is not None:
             extra["dt_bias"] = dt_bias
         return call_fla(
-            "prefill", q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+            "prefill", q, k, v, g, beta, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
             use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
             safe_gate=safe_gate, lower_bound=lower_bound, disable_recompute=disable_recompute,
@@ -178,7 +192,8 @@ def explain(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *args, **k
     bound.apply_defaults()
     a = bound.arguments
     return _select(q, k, v, g, beta, a["A_log"], a["dt_bias"], a["initial_state"], a["return_intermediate_states"],
-                   a["cp_context"], a["kwargs"], a["backend"], evaluate_all=True)
+                   a["cp_context"], a["kwargs"], a["backend"], evaluate_all=True, use_graph=a["use_graph"],
+                   cu_seqlens_cpu=a["cu_seqlens_cpu"])
 
 
 def _flashkda_chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,

@@ -17,7 +17,10 @@ that already calls fla gets flashkda's sm_90a kernels for every call they serve,
   declined call goes on to fla's next backend and, last, fla's Triton kernels.  fla logs each
   backend's first acceptance and rejection at INFO level (logger ``fla.backends``).
 * The call is then ``flashkda.chunk_kda`` with the same arguments: same return value and state layout
-  as fla's function (``[N, H, K, V]``, or ``[N, H, V, K]`` with ``state_v_first=True``).
+  as fla's function (``[N, H, K, V]``, or ``[N, H, V, K]`` with ``state_v_first=True``).  Should flashkda
+  refuse it when checking it whole (strides, ranks, ranges the verifier does not look at: a
+  ``ValueError`` or ``NotImplementedError`` before anything is written), fla's own implementation runs
+  it instead, as without flashkda (logged once per reason, INFO, logger ``flashkda.fla_backend``).
 * ``priority`` (fla's convention: lower runs first) defaults to 2: before fla's own ``flash_kda``
   backend (priority 3, MoonshotAI's package, when installed).
 * ``FLA_FLASHKDA=0`` in the environment disables it without unregistering (fla reads it per call).
@@ -43,6 +46,7 @@ Nothing here is imported by ``import flashkda``: fla is imported only by :func:`
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Optional, Tuple
 
 import torch
@@ -59,6 +63,27 @@ ENV_VAR = "FLA_FLASHKDA"
 _SERVING = ("cuda", "reference")  # flashkda backends that may serve fla's calls ("auto" could call fla back)
 _SIGNATURE = inspect.signature(_chunk.chunk_kda)
 _DECODE_OPERATION = "kda"  # fla registers fused_recurrent_kda_fwd's backends under this operation name
+
+
+_log = logging.getLogger(__name__)
+_logged = set()
+
+
+def _fla_default(entry):
+    """fla's own implementation behind its dispatch of `entry` (what fla runs when every backend declines)."""
+    return inspect.unwrap(entry)
+
+
+def _fall_back(what: str, entry, error: Exception, args, kwargs):
+    """A call the verifier accepted but flashkda refused when checking it whole (ValueError /
+    NotImplementedError, raised before anything is written): fla's own kernels run it, as they would
+    have without flashkda.  Logged once per distinct reason (INFO, logger flashkda.fla_backend)."""
+    key = (what, type(error).__name__, str(error))
+    if key not in _logged:
+        _logged.add(key)
+        _log.info("flashkda.fla_backend: %s falls back to fla's own kernels: %s: %s", what, type(error).__name__,
+                  error)
+    return _fla_default(entry)(*args, **kwargs)
 
 
 def _fla():
@@ -109,7 +134,8 @@ def _judge(serving: str, args, kwargs) -> Tuple[bool, Optional[str]]:
     if problem:
         return False, problem
     sel = _chunk._select(a["q"], a["k"], a["v"], a["g"], a["beta"], a["A_log"], a["dt_bias"], a["initial_state"],
-                         a["return_intermediate_states"], a["cp_context"], a["kwargs"], serving)
+                         a["return_intermediate_states"], a["cp_context"], a["kwargs"], serving,
+                         use_graph=a["use_graph"], cu_seqlens_cpu=a["cu_seqlens_cpu"])
     if sel.backend == serving:
         return True, None
     return False, sel.reasons.get(serving) or f"flashkda backend {serving!r} cannot serve the call"
@@ -154,8 +180,10 @@ def _decode_call(args, kwargs):
             why.append("2-D ssm_state_indices without num_accepted_tokens (fla reads slot 0) is not served")
         if idx.dim() == 1 and acc is not None:
             why.append("num_accepted_tokens with 1-D ssm_state_indices is not served")
-        if idx.dim() == 1 and a["cu_seqlens"] is None and hasattr(q, "shape") and len(q.shape) == 4 \
-                and q.shape[1] > 1:
+        cu = a["cu_seqlens"]
+        if idx.dim() == 1 and hasattr(q, "shape") and len(q.shape) == 4 and (
+                (cu is None and q.shape[1] > 1) or (cu is not None and hasattr(cu, "shape") and len(cu.shape) == 1
+                                                    and q.shape[1] > cu.shape[0] - 1)):
             why.append("1-D ssm_state_indices with T > 1 tokens a request: fla writes the later tokens' states "
                        "to the following slots, flashkda the last state to the request's own slot")
     if a["use_gate_in_kernel"]:
@@ -215,6 +243,7 @@ def register(priority: int = 2, backend: str = "cuda") -> None:
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise ValueError(f"flashkda.fla_backend.register: argument 'priority' must be an int, got {priority!r}")
     fla_backends, fla_chunk_kda = _fla()
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd as fla_decode_fwd
     serving = backend
 
     class FlashKDABackend(fla_backends.BaseBackend):
@@ -229,17 +258,23 @@ def register(priority: int = 2, backend: str = "cuda") -> None:
             return _judge(serving, args, kwargs)
 
         def chunk_kda(self, *args, **kwargs):
-            kwargs = {key: value for key, value in kwargs.items() if key != "backend"}
-            return _chunk.chunk_kda(*args, backend=serving, **kwargs)
+            own = {key: value for key, value in kwargs.items() if key != "backend"}
+            try:
+                return _chunk.chunk_kda(*args, backend=serving, **own)
+            except (ValueError, NotImplementedError) as e:
+                return _fall_back("chunk_kda", fla_chunk_kda, e, args, kwargs)
 
         def fused_recurrent_kda_fwd_verifier(self, *args, **kwargs):
             return _judge_decode(serving, args, kwargs)
 
         def fused_recurrent_kda_fwd(self, *args, **kwargs):
-            call, why = _decode_call(args, kwargs)
-            if why:  # the verifier accepted it: only a call made around fla's dispatch lands here
-                raise NotImplementedError(f"flashkda.fla_backend: {why}")
-            out = _flashkda_decode(*call["args"], backend=serving, **call["kwargs"])
+            try:
+                call, why = _decode_call(args, kwargs)
+                if why:  # the verifier accepted it: only a call made around fla's dispatch lands here
+                    raise NotImplementedError(f"flashkda.fla_backend: {why}")
+                out = _flashkda_decode(*call["args"], backend=serving, **call["kwargs"])
+            except (ValueError, NotImplementedError) as e:
+                return _fall_back("fused_recurrent_kda_fwd", fla_decode_fwd, e, args, kwargs)
             return out, call["args"][5]  # (out, the pool updated in place), as fla returns
 
     FlashKDABackend.priority = priority

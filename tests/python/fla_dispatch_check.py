@@ -99,6 +99,13 @@ def check_declines():
     for scale in (0.0, -0.5, float("nan")):  # fla would use these as given; flashkda reads 0 as K^-0.5
         ok, why = be.verify("chunk_kda", *args, **dict(kw, scale=scale))
         assert not ok and "scale" in why, why
+    ok, why = be.verify("chunk_kda", *args, **dict(kw, use_graph=True, max_num_seqs=4))
+    assert not ok and "use_graph" in why, why
+    cu_cpu = kw["cu_seqlens"].clone()
+    cu_cpu[-1] -= 3  # a padded token buffer: cu_seqlens ends before q's last token
+    ok, why = be.verify("chunk_kda", *args, **dict(kw, cu_seqlens_cpu=cu_cpu))
+    assert not ok and "cu_seqlens_cpu ends at" in why, why
+    assert be.verify("chunk_kda", *args, **dict(kw, cu_seqlens_cpu=kw["cu_seqlens"].clone())) == (True, None)
     for lb in (-10.0, 0.0):  # fla's bounded gate takes any lower_bound without safe_gate; flashkda [-5, 0)
         ok, why = be.verify("chunk_kda", *args, **dict(kw, safe_gate=False, lower_bound=lb))
         assert not ok and "lower_bound" in why, why
@@ -160,6 +167,7 @@ def check_decode():
         "V-first": dict(kw, state_v_first=False),
         "without num_accepted_tokens": dict(decode_call(spec=True, T=2), num_accepted_tokens=None),
         "T > 1": decode_call(T=2),
+        "T > 1 tokens a request": decode_call(lens=[2, 1, 1]),  # varlen: more tokens than requests
         "allow_neg_eigval": dict(kw, allow_neg_eigval=True),
         "per-channel beta": dict(kw, beta=kw["v"].float()),
         "softplus gate without A_log": dict(kw, lower_bound=None, A_log=None),
@@ -178,6 +186,37 @@ def check_decode():
         FBK._FLA_SELF_CALL.reset(token)
     assert not ok and "backend='triton'" in why, why
     print("ok decode")
+
+
+def check_fall_back():
+    """A call the verifier accepts but flashkda refuses when checking it whole goes to fla's own function
+    (faked here: fla's Triton kernels need a GPU), with the caller's arguments, and its result comes back."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    seen = []
+
+    def fake_fla(*a, **k):
+        seen.append(k)
+        return "fla's result"
+
+    saved = FB._fla_default
+    FB._fla_default = lambda entry: fake_fla
+    try:
+        kw = decode_call()
+        kw["ssm_state_indices"] = torch.cat([kw["ssm_state_indices"], torch.tensor([7, 9])])  # [N + 2]: fla reads N
+        before = kw["initial_state"].clone()
+        assert decode_registry()._backends["flashkda"].verify("fused_recurrent_kda_fwd", **kw) == (True, None)
+        assert fused_recurrent_kda_fwd(**kw) == "fla's result"
+        assert seen and seen[-1]["ssm_state_indices"] is kw["ssm_state_indices"]
+        assert torch.equal(kw["initial_state"], before), "flashkda wrote before refusing"
+        args, ckw = kimi_call(with_state=False)
+        ckw["A_log"] = ckw["A_log"].view(2, 1)  # fla flattens it; flashkda's op wants [H]
+        assert registry()._backends["flashkda"].verify("chunk_kda", *args, **ckw) == (True, None)
+        with torch.no_grad():
+            assert fla_chunk_kda(*args, **ckw) == "fla's result"
+        assert seen[-1]["A_log"] is ckw["A_log"]
+    finally:
+        FB._fla_default = saved
+    print("ok fall back")
 
 
 def check_switches():
@@ -204,5 +243,6 @@ if __name__ == "__main__":
     check_same_results()
     check_declines()
     check_decode()
+    check_fall_back()
     check_switches()
     sys.exit(0)

@@ -145,14 +145,14 @@ def test_deprecated_transpose_state_layout_and_chunk_size():
     o1, h1 = flashkda.chunk_kda(*args, state_v_first=True, **kw)
     with pytest.warns(DeprecationWarning):
         o2, h2 = flashkda.chunk_kda(*args, transpose_state_layout=True, chunk_size=32, disable_recompute=True,
-                                    use_graph=True, max_num_seqs=1, **kw)
+                                    cu_seqlens_cpu=inp["cu_seqlens"].cpu(), max_num_seqs=1, **kw)
     assert torch.equal(o1, o2) and torch.equal(h1, h2)
     with pytest.raises(ValueError, match="chunk_size"):
         flashkda.chunk_kda(*args, chunk_size=48, **kw)
 
 
 @pytest.mark.parametrize("case", ["unknown_kwarg", "gva", "fp16", "intermediate", "cp", "head_dim",
-                                  "grad"])
+                                  "grad", "use_graph", "padded_tokens"])
 def test_not_implemented(case):
     gen = torch.Generator().manual_seed(27)
     inp = make_inputs([5, 4], H=2, D=64, generator=gen)
@@ -181,6 +181,12 @@ def test_not_implemented(case):
     elif case == "grad":
         args[0] = args[0].clone().requires_grad_(True)
         match = "backward is not implemented"
+    elif case == "use_graph":  # fla's padded mode: cu_seqlens may end before the last token
+        kw.update(use_graph=True, max_num_seqs=2)
+        match = "use_graph"
+    elif case == "padded_tokens":  # a host copy of cu_seqlens that ends before q's last token
+        kw["cu_seqlens_cpu"] = torch.tensor([0, 5, 7], dtype=torch.int32)
+        match = r"cu_seqlens_cpu ends at 7, not at the 9 tokens of q"
     with pytest.raises(NotImplementedError, match=match):
         flashkda.chunk_kda(*args, **kw)
 

@@ -49,5 +49,5 @@ def test_fla_dispatch_runs_flashkda():
     r = subprocess.run([sys.executable, os.path.join(HERE, "fla_dispatch_check.py")], env=env, cwd=HERE,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr[-4000:]}"
-    for check in ("registration", "same results", "declines", "decode", "switches"):
+    for check in ("registration", "same results", "declines", "decode", "fall back", "switches"):
         assert f"ok {check}" in r.stdout, r.stdout
