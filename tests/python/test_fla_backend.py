@@ -6,6 +6,7 @@ process, and every other test, sees a machine without fla.
 """
 
 import importlib.util
+import inspect
 import os
 import subprocess
 import sys
@@ -51,3 +52,32 @@ def test_fla_dispatch_runs_flashkda():
     assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr[-4000:]}"
     for check in ("registration", "same results", "declines", "decode", "fall back", "switches"):
         assert f"ok {check}" in r.stdout, r.stdout
+
+
+def _inspect_arguments(fn, args, kwargs):
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+@pytest.mark.parametrize("fn", ["chunk", "decode"])
+def test_binder_reads_calls_as_inspect_does(fn):
+    """The verifiers' fast argument binder gives what inspect.Signature.bind gives (defaults applied,
+    unknown keywords under 'kwargs'), and refuses what it refuses."""
+    import flashkda.chunk as FC
+    target = FC.chunk_kda if fn == "chunk" else FB._fla_decode_signature
+    binder = FB._Binder(target)
+    q, k, v, g, beta = "q", "k", "v", "g", "beta"
+    calls = [((q, k, v, g, beta), {}),
+             ((q, k, v, g, beta, 0.5), {"initial_state": "h0", "other": 3}),
+             ((q, k), {"v": v, "g": g, "beta": beta, "cu_seqlens": "cu"}),
+             ((q, k, v, g, beta) + tuple(range(3)), {"lower_bound": -1.0, "zz": None})]
+    for args, kwargs in calls:
+        assert binder(args, kwargs) == _inspect_arguments(target, args, kwargs), (args, kwargs)
+    for args, kwargs in [((q, k, v, g), {}),                      # beta missing
+                         ((q, k, v, g, beta), {"q": q}),          # q twice
+                         (tuple(range(40)), {})]:                 # too many positional
+        with pytest.raises(TypeError):
+            inspect.signature(target).bind(*args, **kwargs)
+        with pytest.raises(TypeError):
+            binder(args, kwargs)
