@@ -73,7 +73,8 @@ def _unsupported(return_intermediate_states: bool, cp_context, kwargs: Dict, use
     if use_graph:
         # fla's graph mode pads cu_seqlens with empty sequences and may end it before the last token
         # (rows past it left undefined); flashkda's kernels treat cu_seqlens[N] != T as an input error,
-        # recorded on the device in a workspace this wrapper owns: the call would write nothing, silently.
+        # recorded on the device in the call's workspace: the call would write nothing, unseen unless the
+        # caller passed workspace= and reads it.
         out.append("argument 'use_graph=True' (fla's padded fixed-shape varlen mode, where cu_seqlens may end "
                    "before the last token) is not implemented")
     if (isinstance(cu_seqlens_cpu, torch.Tensor) and cu_seqlens_cpu.device.type == "cpu" and cu_seqlens_cpu.dim() == 1
@@ -137,6 +138,7 @@ def chunk_kda(
     A_log: Optional[Tensor] = None,
     dt_bias: Optional[Tensor] = None,
     backend: Optional[str] = None,
+    workspace: Optional[Tensor] = None,
     **kwargs,
 ):
     """KDA prefill, fla-compatible: returns ``(o [B, T, H, V], final_state or None)``.
@@ -152,7 +154,11 @@ def chunk_kda(
 
     ``backend``: ``None`` / ``"auto"``, ``"cuda"``, ``"triton"`` or ``"reference"`` (module
     :mod:`flashkda.backend`); with ``"triton"`` every argument goes to fla's ``chunk_kda`` unchanged
-    and its return value is returned.
+    and its return value is returned.  ``workspace`` (keyword, flashkda's own; not passed to fla): a
+    uint8 CUDA tensor of at least ``flashkda.get_workspace_size(...)`` bytes for the kernels, allocated
+    per call when None.  The kernels check the values of ``cu_seqlens`` on the device and, on a bad
+    one, write nothing and record the error in the workspace: pass one to read it afterwards with
+    :func:`flashkda.read_device_error` (without it the error, and the unwritten outputs, go unseen).
     """
     sel = _select(q, k, v, g, beta, A_log, dt_bias, initial_state, return_intermediate_states, cp_context,
                   kwargs, backend, use_graph=use_graph, cu_seqlens_cpu=cu_seqlens_cpu)
@@ -177,7 +183,7 @@ def chunk_kda(
         q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
         use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens,
         A_log, dt_bias, kwargs,
-        torch_reference=(sel.backend == "reference" and q.device.type != "cpu"))
+        torch_reference=(sel.backend == "reference" and q.device.type != "cpu"), workspace=workspace)
 
 
 def explain(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *args, **kwargs) -> Selection:
@@ -198,7 +204,7 @@ def explain(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *args, **k
 
 def _flashkda_chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                         use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
-                        state_v_first, cu_seqlens, A_log, dt_bias, kwargs, torch_reference=False):
+                        state_v_first, cu_seqlens, A_log, dt_bias, kwargs, torch_reference=False, workspace=None):
     """chunk_kda on flashkda's backends: torch.ops.flashkda.prefill (CUDA kernels or C++ CPU reference),
     or, with ``torch_reference``, the float64 PyTorch reference on the tensors' device (slow)."""
     kwargs = dict(kwargs)
@@ -308,7 +314,8 @@ def _flashkda_chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_sta
     else:
         q, k, v, g, beta = (_rows_contiguous(t) for t in (q, k, v, g, beta))
         out = _new_out(q, v)
-        workspace = new_workspace(q, cu_seqlens)
+        if workspace is None or q.device.type != "cuda":  # CPU calls need none
+            workspace = new_workspace(q, cu_seqlens)
         torch.ops.flashkda.prefill(
             q, k, v, g, beta, out, workspace,
             **_op_options(scale, gate_mode, A_log_t, dt_bias_t, lb, use_qk_l2norm_in_kernel, use_beta_sigmoid),

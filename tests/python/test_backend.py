@@ -180,8 +180,10 @@ def test_triton_passes_the_call_through(monkeypatch):
 
     monkeypatch.setattr(FC, "select_backend", fake_select)
     monkeypatch.setattr(FB, "fla_function", lambda kind: fake_fla_chunk_kda)
-    ret = flashkda.chunk_kda(*args, backend="triton", chunk_size=32, head_first=False, **kw)
+    ret = flashkda.chunk_kda(*args, backend="triton", chunk_size=32, head_first=False,
+                             workspace=torch.empty(0, dtype=torch.uint8), **kw)
     assert ret is sentinel
+    assert "workspace" not in seen["kwargs"]  # flashkda's own keyword, not fla's
     assert seen["self_call"] is True and FB.in_fla_self_call() is False
     assert all(a is b for a, b in zip(seen["args"], args)) and len(seen["args"]) == 5
     got = seen["kwargs"]

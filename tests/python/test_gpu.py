@@ -414,6 +414,25 @@ def test_chunk_kda_layouts(gen):
     judge(gen, inp, o_v, h_v, SPEC_OUT, SPEC_STATE)
 
 
+def test_chunk_kda_workspace_shows_device_errors(gen):
+    """chunk_kda(workspace=...): the kernels use the caller's workspace, so a bad cu_seqlens value (which
+    only the device sees) can be read back; a good call leaves 0 there and equals the call without one."""
+    inp = make_inputs([100, 30, 64], H=4, D=128, device=DEV, generator=gen)
+    args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"])
+    kw = dict(initial_state=inp["initial_state"], output_final_state=True, state_v_first=True,
+              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+              safe_gate=True, lower_bound=-5.0, A_log=inp["A_log"], dt_bias=inp["dt_bias"].flatten())
+    ws = flashkda.new_workspace(inp["q"], inp["cu_seqlens"])
+    ws.fill_(0xFF)
+    o1, h1 = flashkda.chunk_kda(*args, cu_seqlens=inp["cu_seqlens"], workspace=ws, backend="cuda", **kw)
+    assert flashkda.read_device_error(ws) == 0
+    o2, h2 = flashkda.chunk_kda(*args, cu_seqlens=inp["cu_seqlens"], backend="cuda", **kw)
+    assert torch.equal(o1, o2) and torch.equal(h1, h2), f"seed {seed_of(gen)}"
+    bad = torch.tensor([0, 100, 90, 194], dtype=torch.int32, device=DEV)  # decreasing: seen on the device only
+    flashkda.chunk_kda(*args, cu_seqlens=bad, workspace=ws, backend="cuda", **kw)
+    assert flashkda.read_device_error(ws) == 1
+
+
 def test_device_side_validation():
     """Bad index values on the device: the kernel writes nothing and records an error code."""
     gen = torch.Generator().manual_seed(0)
