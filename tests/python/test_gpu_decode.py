@@ -371,6 +371,14 @@ def spec_indices(gen, N, S, P):
     return idx, acc
 
 
+def pool_indices(gen, N, S, P, spec):
+    """On the GPU: spec_indices (2-D, with acceptance counts) or N distinct rows (1-D, None)."""
+    if spec:
+        idx, acc = spec_indices(gen, N, S, P)
+        return idx.to(DEV), acc.to(DEV)
+    return perm(gen, P)[:N].to(DEV), None
+
+
 @pytest.mark.parametrize("state_dtype", [FP32, BF16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("T", [2, 4])
@@ -555,11 +563,7 @@ def test_fla_dispatch_runs_the_decode_kernel(gen, spec):
     N, T, H, D, P = 40, 4 if spec else 1, 16, 128, 200
     inp = tokens(gen, N=N, T=T, H=H, D=D)
     pool = new_pool(gen, P, H, D)
-    if spec:
-        idx, acc = spec_indices(gen, N, T, P)
-        idx, acc = idx.to(DEV), acc.to(DEV)
-    else:
-        idx, acc = perm(gen, P)[:N].to(DEV), None
+    idx, acc = pool_indices(gen, N, T, P, spec)
     own_pool = pool.clone()
     FLB.register()
     try:
@@ -599,11 +603,7 @@ def test_token_rows(gen, spec, rows_dtype):
         logical[name] = big[name][:, rows.to(DEV)].contiguous()
     P = N * S + 4
     pool = new_pool(gen, P, H, D)
-    if spec:
-        idx, acc = spec_indices(gen, N, S, P)
-        idx, acc = idx.to(DEV), acc.to(DEV)
-    else:
-        idx, acc = perm(gen, P)[:N].to(DEV), None
+    idx, acc = pool_indices(gen, N, S, P, spec)
     before = pool.clone()
     ref_out, ref_pool = ref_decode(logical, before, idx, acc)
     out = torch.full(big["v"].shape, NAN, dtype=BF16, device=DEV)
