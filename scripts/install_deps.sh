@@ -40,11 +40,18 @@ flashkda_install_deps() {
   # The tests of flashkda.fla_backend run fla's own chunk_kda dispatch (CPU: flashkda's reference
   # behind it) in a subprocess that puts this directory on its path; the main environment stays
   # without fla, so backend selection is tested as on a machine without it.  Pure-Python wheels.
-  if [ "$want_gtest" = 1 ] && [ ! -f "$root/build/fla-site/.flashkda-fla-0.6.0" ]; then
+  # Optional: without network (or on a failed install) the fla test skips; nothing else depends on it.
+  local fla_stamp
+  fla_stamp="$root/build/fla-site/.installed-$(cksum < "$root/requirements-fla.txt" | cut -d' ' -f1)"
+  if [ "$want_gtest" = 1 ] && [ ! -f "$fla_stamp" ]; then
     rm -rf "$root/build/fla-site"
-    python3 -m pip install -q --disable-pip-version-check --no-deps --target "$root/build/fla-site" \
-      -r "$root/requirements-fla.txt"
-    touch "$root/build/fla-site/.flashkda-fla-0.6.0"
+    if python3 -m pip install -q --disable-pip-version-check --no-deps --target "$root/build/fla-site" \
+        -r "$root/requirements-fla.txt"; then
+      touch "$fla_stamp"
+    else
+      echo "flashkda: warning: could not install requirements-fla.txt into build/fla-site; the fla_backend tests skip"
+      rm -rf "$root/build/fla-site"
+    fi
   fi
   # nvcc outside PATH (the usual /usr/local/cuda): let CMake find it.
   if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then

@@ -156,9 +156,10 @@ def chunk_kda(
     :mod:`flashkda.backend`); with ``"triton"`` every argument goes to fla's ``chunk_kda`` unchanged
     and its return value is returned.  ``workspace`` (keyword, flashkda's own; not passed to fla): a
     uint8 CUDA tensor of at least ``flashkda.get_workspace_size(...)`` bytes for the kernels, allocated
-    per call when None.  The kernels check the values of ``cu_seqlens`` on the device and, on a bad
-    one, write nothing and record the error in the workspace: pass one to read it afterwards with
-    :func:`flashkda.read_device_error` (without it the error, and the unwritten outputs, go unseen).
+    per call when None (used by the "cuda" backend only; the others leave it as it was).  The kernels
+    check the values of ``cu_seqlens`` on the device and, on a bad one, write nothing and record the
+    error in the workspace: pass one to read it afterwards with :func:`flashkda.read_device_error`
+    (without it the error, and the unwritten outputs, go unseen).
     """
     sel = _select(q, k, v, g, beta, A_log, dt_bias, initial_state, return_intermediate_states, cp_context,
                   kwargs, backend, use_graph=use_graph, cu_seqlens_cpu=cu_seqlens_cpu)

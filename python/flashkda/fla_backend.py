@@ -19,8 +19,11 @@ that already calls fla gets flashkda's sm_90a kernels for every call they serve,
 * The call is then ``flashkda.chunk_kda`` with the same arguments: same return value and state layout
   as fla's function (``[N, H, K, V]``, or ``[N, H, V, K]`` with ``state_v_first=True``).  Should flashkda
   refuse it when checking it whole (strides, ranks, ranges the verifier does not look at: a
-  ``ValueError`` or ``NotImplementedError`` before anything is written), fla's own implementation runs
-  it instead, as without flashkda (logged once per reason, INFO, logger ``flashkda.fla_backend``).
+  ``ValueError`` or ``NotImplementedError`` before anything is written), fla's own implementation (the
+  function behind its dispatch: fla's Triton path) runs it instead (logged once per reason, INFO, logger
+  ``flashkda.fla_backend``).  ``A_log`` of shape ``[H, 1]`` / ``[1, 1, H, 1]`` is flattened first, as fla does.
+* With fla's ``FLA_DISABLE_BACKEND_DISPATCH=1`` (read at fla's import) fla consults no backend:
+  :func:`register` raises, :func:`registered` is False.
 * ``priority`` (fla's convention: lower runs first) defaults to 2: before fla's own ``flash_kda``
   backend (priority 3, MoonshotAI's package, when installed).
 * ``FLA_FLASHKDA=0`` in the environment disables it without unregistering (fla reads it per call).
@@ -47,6 +50,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
 from typing import Optional, Tuple
 
 import torch
@@ -68,6 +72,13 @@ _log = logging.getLogger(__name__)
 _logged = set()
 
 
+def _flat_A_log(A_log):
+    """A_log with its size-1 dimensions dropped (fla reads it flat: [H, 1] or [1, 1, H, 1] mean [H])."""
+    if isinstance(A_log, torch.Tensor) and A_log.dim() > 1 and A_log.numel() == max(A_log.shape):
+        return A_log.reshape(-1)
+    return A_log
+
+
 def _fla_default(entry):
     """fla's own implementation behind its dispatch of `entry` (what fla runs when every backend declines)."""
     return inspect.unwrap(entry)
@@ -77,8 +88,8 @@ def _fall_back(what: str, entry, error: Exception, args, kwargs):
     """A call the verifier accepted but flashkda refused when checking it whole (ValueError /
     NotImplementedError, raised before anything is written): fla's own kernels run it, as they would
     have without flashkda.  Logged once per distinct reason (INFO, logger flashkda.fla_backend)."""
-    key = (what, type(error).__name__, str(error))
-    if key not in _logged:
+    key = (what, type(error).__name__, re.sub(r"\d+", "#", str(error)))  # one reason, whatever the sizes
+    if key not in _logged and len(_logged) < 256:
         _logged.add(key)
         _log.info("flashkda.fla_backend: %s falls back to fla's own kernels: %s: %s", what, type(error).__name__,
                   error)
@@ -231,7 +242,8 @@ def _decode_call(args, kwargs):
         H, K = q.shape[2], q.shape[3]
         A_log, dt_bias = a["A_log"], a["dt_bias"]
         if gate_mode != "precomputed":
-            A_log = torch.zeros(H, dtype=torch.float32, device=q.device) if A_log is None else A_log.float()
+            A_log = (torch.zeros(H, dtype=torch.float32, device=q.device) if A_log is None
+                     else _flat_A_log(A_log).float())
             dt_bias = (torch.zeros(H, K, dtype=torch.float32, device=q.device) if dt_bias is None
                        else dt_bias.float().reshape(H, K))
         else:
@@ -274,6 +286,9 @@ def register(priority: int = 2, backend: str = "cuda") -> None:
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise ValueError(f"flashkda.fla_backend.register: argument 'priority' must be an int, got {priority!r}")
     fla_backends, fla_chunk_kda = _fla()
+    if _dispatch_disabled(fla_backends):
+        raise RuntimeError("flashkda.fla_backend.register: fla's backend dispatch is off in this process "
+                           "(FLA_DISABLE_BACKEND_DISPATCH=1 when fla was imported): fla runs its own kernels only")
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd as fla_decode_fwd
     serving = backend
 
@@ -290,6 +305,7 @@ def register(priority: int = 2, backend: str = "cuda") -> None:
 
         def chunk_kda(self, *args, **kwargs):
             own = {key: value for key, value in kwargs.items() if key != "backend"}
+            own["A_log"] = _flat_A_log(own.get("A_log"))  # fla flattens it too ([1, 1, H, 1] in SGLang)
             try:
                 return _chunk.chunk_kda(*args, backend=serving, **own)
             except (ValueError, NotImplementedError) as e:
@@ -313,9 +329,17 @@ def register(priority: int = 2, backend: str = "cuda") -> None:
     fla_backends.register(_DECODE_OPERATION)(FlashKDABackend)
 
 
+def _dispatch_disabled(fla_backends) -> bool:
+    """fla's FLA_DISABLE_BACKEND_DISPATCH=1 (read at its import): no backend is ever consulted."""
+    return bool(getattr(fla_backends, "_DISPATCH_DISABLED", False))
+
+
 def _registries():
-    """fla's two registries flashkda registers in: chunk_kda's and the "kda" operation's."""
+    """fla's two registries flashkda registers in: chunk_kda's and the "kda" operation's ([] when fla's
+    dispatch is off: there is nothing to register in)."""
     fla_backends, fla_chunk_kda = _fla()
+    if _dispatch_disabled(fla_backends):
+        return []
     functions = getattr(fla_backends, "_function_registries", None)
     operations = getattr(fla_backends, "_operation_registries", None)
     found = [functions.get(inspect.unwrap(fla_chunk_kda)) if isinstance(functions, dict) else None,
@@ -328,7 +352,8 @@ def _registries():
 
 def registered() -> bool:
     """Whether flashkda is among the backends of fla's chunk_kda (and of its decode entry) in this process."""
-    return all(BACKEND_TYPE in r._backends for r in _registries())
+    found = _registries()
+    return bool(found) and all(BACKEND_TYPE in r._backends for r in found)
 
 
 def unregister() -> None:

@@ -78,10 +78,12 @@ def test_sglang_decode_mapping(lower_bound):
     before = pool.clone()
     o = flashkda.decode(q, k, v, a.view(1, -1, H, K), b, pool, cache_indices, None, cu_seqlens=query_start_loc,
                         use_qk_l2norm=True, use_beta_sigmoid=True, **gate)
+    # The same math on plain inputs: contiguous copies, int64 indices, beta activated beforehand.
     pool_ref = before.clone()
     o_ref = flashkda.decode(q.contiguous(), k.contiguous(), v.contiguous(), a.view(1, B, H, K).contiguous(),
-                            b.contiguous(), pool_ref, cache_indices.long(), None, cu_seqlens=query_start_loc,
-                            use_qk_l2norm=True, use_beta_sigmoid=True, **gate)
-    assert torch.equal(o, o_ref) and torch.equal(pool, pool_ref)
+                            torch.sigmoid(b.float()), pool_ref, cache_indices.long(), None,
+                            cu_seqlens=query_start_loc, use_qk_l2norm=True, use_beta_sigmoid=False, **gate)
+    assert torch.allclose(o.float(), o_ref.float(), atol=1e-3, rtol=0)
+    assert torch.allclose(pool, pool_ref, atol=1e-5, rtol=0)
     assert torch.count_nonzero(o[:, 1]) == 0 and torch.equal(pool[[0, 2, 4, 5]], before[[0, 2, 4, 5]])
     assert not torch.equal(pool[[1, 3]], before[[1, 3]])

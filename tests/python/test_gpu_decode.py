@@ -557,14 +557,15 @@ def test_tokens_without_requests_are_an_argument_error(gen):
 def test_fla_dispatch_runs_the_decode_kernel(gen, spec):
     """flashkda.fla_backend.register(): fla's serving decode entry (fused_recurrent_kda_fwd on a V-first
     pool, in place) runs flashkda's decode, bit for bit what flashkda.decode(backend="cuda") does, and
-    returns (out, the pool).  Skipped without fla."""
+    returns (out, the pool); fla's own kernel on the same call writes the same pool rows, within the
+    contract's tolerances.  Skipped without fla."""
     fr = pytest.importorskip("fla.ops.kda.fused_recurrent")
     import flashkda.fla_backend as FLB
     N, T, H, D, P = 40, 4 if spec else 1, 16, 128, 200
     inp = tokens(gen, N=N, T=T, H=H, D=D)
     pool = new_pool(gen, P, H, D)
     idx, acc = pool_indices(gen, N, T, P, spec)
-    own_pool = pool.clone()
+    own_pool, pool_before = pool.clone(), pool.clone()
     FLB.register()
     try:
         with torch.no_grad():
@@ -576,9 +577,22 @@ def test_fla_dispatch_runs_the_decode_kernel(gen, spec):
     finally:
         FLB.unregister()
     o_own = run_decode(inp, own_pool, idx, acc)
+    # fla's own kernel on the same call (the function behind its dispatch): the same pool rows read and
+    # written, to the contract's tolerances (no negative index here: fla's kernel would read before the pool).
+    fla_pool = pool_before.clone()
+    with torch.no_grad():
+        o_triton, _ = inspect.unwrap(fr.fused_recurrent_kda_fwd)(
+            q=inp["q"], k=inp["k"], v=inp["v"], g=inp["g"], beta=inp["beta"], A_log=inp["A_log"],
+            dt_bias=inp["dt_bias"].flatten(), initial_state=fla_pool, inplace_final_state=True, state_v_first=True,
+            ssm_state_indices=idx, num_accepted_tokens=acc, use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
     torch.cuda.synchronize()
     assert ht is pool
     assert torch.equal(o_fla, o_own) and torch.equal(pool, own_pool), f"seed {seed_of(gen)}"
+    assert rel_err(o_own, o_triton) <= SPEC_OUT, f"seed {seed_of(gen)}"
+    assert rel_err(own_pool, fla_pool) <= SPEC_STATE, f"seed {seed_of(gen)}"
+    written = lambda p: (p != pool_before).flatten(1).any(1)  # noqa: E731  (pool rows a call changed)
+    assert torch.equal(written(own_pool), written(fla_pool)), f"seed {seed_of(gen)}: not the same rows written"
 
 
 # ---------------------------------------------------------------------------------------------
