@@ -272,7 +272,8 @@ def _judge_decode(serving: str, args, kwargs) -> Tuple[bool, Optional[str]]:
 
 
 def register(priority: int = 2, backend: str = "cuda") -> None:
-    """Registers flashkda as a backend of ``fla.ops.kda.chunk_kda`` in this process (again: replaces it).
+    """Registers flashkda as a backend of ``fla.ops.kda.chunk_kda`` and of fla's decode entry
+    ``fused_recurrent_kda_fwd`` (operation "kda") in this process (again: replaces it).
 
     ``priority``: fla's order among its backends (lower first; fla's ``flash_kda`` backend is 3).
     ``backend``: which flashkda implementation serves the calls it accepts: ``"cuda"`` (the sm_90a
@@ -293,7 +294,7 @@ def register(priority: int = 2, backend: str = "cuda") -> None:
     serving = backend
 
     class FlashKDABackend(fla_backends.BaseBackend):
-        """flashkda's sm_90a kernels for fla's chunk_kda (registered by flashkda.fla_backend.register)."""
+        """flashkda for fla's chunk_kda and fused_recurrent_kda_fwd (registered by flashkda.fla_backend.register)."""
 
         backend_type = BACKEND_TYPE
         package_name = "flashkda"
