@@ -86,8 +86,9 @@ def _fla_default(entry):
 
 def _fall_back(what: str, entry, error: Exception, args, kwargs):
     """A call the verifier accepted but flashkda refused when checking it whole (ValueError /
-    NotImplementedError, raised before anything is written): fla's own kernels run it, as they would
-    have without flashkda.  Logged once per distinct reason (INFO, logger flashkda.fla_backend)."""
+    NotImplementedError, raised before anything is written): the function behind fla's dispatch (fla's
+    Triton path, not another registered backend) runs it.  Logged once per distinct reason (INFO, logger
+    flashkda.fla_backend)."""
     key = (what, type(error).__name__, re.sub(r"\d+", "#", str(error)))  # one reason, whatever the sizes
     if key not in _logged and len(_logged) < 256:
         _logged.add(key)
@@ -120,6 +121,7 @@ class _Binder:
     def __init__(self, fn):
         params = inspect.signature(fn).parameters.values()
         self.positional = [p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
+        self.position = {name: i for i, name in enumerate(self.positional)}
         self.names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
         self.defaults = {p.name: p.default for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
                          and p.default is not p.empty}
@@ -133,7 +135,7 @@ class _Binder:
         extra = {}
         for key, value in kwargs.items():
             if key in self.names:
-                if key in self.positional[:len(args)]:
+                if self.position.get(key, len(args)) < len(args):
                     raise TypeError(f"multiple values for argument {key!r}")
                 a[key] = value
             else:
@@ -241,11 +243,9 @@ def _decode_call(args, kwargs):
     if not why:
         H, K = q.shape[2], q.shape[3]
         A_log, dt_bias = a["A_log"], a["dt_bias"]
-        if gate_mode != "precomputed":
-            A_log = (torch.zeros(H, dtype=torch.float32, device=q.device) if A_log is None
-                     else _flat_A_log(A_log).float())
-            dt_bias = (torch.zeros(H, K, dtype=torch.float32, device=q.device) if dt_bias is None
-                       else dt_bias.float().reshape(H, K))
+        if gate_mode != "precomputed":  # an absent A_log / dt_bias (zeros) is filled in by _with_gate_defaults
+            A_log = None if A_log is None else _flat_A_log(A_log).float()
+            dt_bias = None if dt_bias is None else dt_bias.float().reshape(H, K)
         else:
             A_log = dt_bias = None
         call = dict(args=(a["q"], a["k"], a["v"], a["g"], a["beta"], a["initial_state"], idx, a["out"]),
@@ -254,6 +254,22 @@ def _decode_call(args, kwargs):
                                 use_qk_l2norm=bool(a["use_qk_l2norm_in_kernel"]),
                                 use_beta_sigmoid=bool(a["use_beta_sigmoid_in_kernel"])))
     return call, "; ".join(why)
+
+
+def _with_gate_defaults(call):
+    """The decode op needs A_log and dt_bias for a fused gate: fla's absent ones are exp(A_log) = 1 and no
+    bias, i.e. zeros.  Allocated here, for a call about to run, not in the verifier."""
+    kw = call["kwargs"]
+    if kw["gate_mode"] != "precomputed" and (kw["A_log"] is None or kw["dt_bias"] is None):
+        q = call["args"][0]
+        H, K = q.shape[2], q.shape[3]
+        kw = dict(kw)
+        if kw["A_log"] is None:
+            kw["A_log"] = torch.zeros(H, dtype=torch.float32, device=q.device)
+        if kw["dt_bias"] is None:
+            kw["dt_bias"] = torch.zeros(H, K, dtype=torch.float32, device=q.device)
+        call = dict(call, kwargs=kw)
+    return call
 
 
 def _judge_decode(serving: str, args, kwargs) -> Tuple[bool, Optional[str]]:
@@ -320,6 +336,7 @@ def register(priority: int = 2, backend: str = "cuda") -> None:
                 call, why = _decode_call(args, kwargs)
                 if why:  # the verifier accepted it: only a call made around fla's dispatch lands here
                     raise NotImplementedError(f"flashkda.fla_backend: {why}")
+                call = _with_gate_defaults(call)
                 out = _flashkda_decode(*call["args"], backend=serving, **call["kwargs"])
             except (ValueError, NotImplementedError) as e:
                 return _fall_back("fused_recurrent_kda_fwd", fla_decode_fwd, e, args, kwargs)

@@ -162,6 +162,15 @@ def check_decode():
         assert ht is pool, "fla's in-place contract: the pool is the final state"
         assert torch.equal(o_fla, o_own) and torch.equal(pool, own_pool), (spec, lens, T)
         assert not torch.equal(pool, before), "no state was written"
+    # fla's bounded gate without A_log and dt_bias: lower_bound * sigmoid(g), i.e. zeros for both.
+    kw = dict(decode_call(), A_log=None, dt_bias=None)
+    own_pool = kw["initial_state"].clone()
+    with torch.no_grad():
+        o_fla, _ = fused_recurrent_kda_fwd(**kw)
+        o_own = flashkda.decode(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], own_pool, kw["ssm_state_indices"],
+                                A_log=torch.zeros(2), dt_bias=torch.zeros(2, 64), lower_bound=-5.0,
+                                backend="reference")
+    assert torch.equal(o_fla, o_own) and torch.equal(kw["initial_state"], own_pool)
     be = decode_registry()._backends["flashkda"]
     kw = decode_call()
     assert be.verify("fused_recurrent_kda_fwd", **kw) == (True, None)
